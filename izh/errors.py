@@ -1,0 +1,92 @@
+"""The error tree. Each error knows its HTTP status and OpenAI error type; one handler maps them."""
+
+from __future__ import annotations
+
+
+class IzhError(Exception):
+    """Base of every error izh reports to a user or a client."""
+
+    status_code: int = 500
+    error_type: str = "internal_error"
+    default_code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+
+    def to_dict(self) -> dict[str, dict[str, str | None]]:
+        """OpenAI's error envelope."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(IzhError):
+    """The request is malformed or asks for something impossible (HTTP 400)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt (plus max_tokens) does not fit the model's context."""
+
+    default_code = "context_length_exceeded"
+
+
+class Unauthorized(IzhError):
+    status_code = 401
+    error_type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class NotFound(IzhError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class ModelNotFound(NotFound):
+    default_code = "model_not_found"
+
+
+class PayloadTooLarge(IzhError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    default_code = "payload_too_large"
+
+
+class RateLimited(IzhError):
+    status_code = 429
+    error_type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+
+
+class Overloaded(IzhError):
+    """Admission refused: too many requests in flight, or draining (HTTP 503)."""
+
+    status_code = 503
+    error_type = "service_unavailable_error"
+    default_code = "overloaded"
+
+
+class EngineDead(IzhError):
+    """The engine core died or hung; every in-flight request fails with this."""
+
+    status_code = 503
+    error_type = "service_unavailable_error"
+    default_code = "engine_dead"
+
+
+class ModelLoadError(IzhError):
+    """Weights, config or tokenizer could not be loaded; the message names what and why."""
+
+    status_code = 500
+    error_type = "internal_error"
+    default_code = "model_load_error"
