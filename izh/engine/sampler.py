@@ -1,0 +1,481 @@
+"""The batched sampler: logits of the rows that sample this step → next token ids (+ logprobs).
+
+Order, as in vLLM: allowed_token_ids / logit_bias / min_tokens masks → penalties → greedy argmax →
+temperature → top-k → top-p → min-p → sample. Logprobs are always those of the raw model logits
+(vLLM's default "raw_logprobs"), so they describe the model, not the sampling settings.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from itertools import chain
+
+import torch
+
+# TokenLogprobs is the wire record (izh.protocol); the sampler produces it directly.
+from izh.protocol import TokenLogprobs
+from izh.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "SamplingRow",
+    "TokenIndex",
+    "TokenLogprobs",
+    "apply_min_p",
+    "apply_penalties",
+    "apply_token_masks",
+    "apply_top_k_top_p",
+    "compute_prompt_logprobs",
+    "make_generator",
+]
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs about one row (one request) this step.
+
+    `generator` is the request's own generator when params.seed is set: created once with
+    `make_generator` and kept by the caller across steps, so its stream continues where it left off.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None = None
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One sampled token per row; `logprobs` is None when no row asked, else None for rows that didn't."""
+
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator on `device` seeded with a request's seed (any int in [-2**63, 2**64 - 1])."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass(slots=True)
+class TokenIndex:
+    """Sparse (row, token id) pairs, optionally with one value each."""
+
+    row_ids: torch.Tensor  # [num_pairs] int64
+    token_ids: torch.Tensor  # [num_pairs] int64
+    values: torch.Tensor | None = None  # [num_pairs] float32
+
+
+@dataclass
+class SamplingMetadata:
+    """The batch's sampling settings as tensors; a feature no row uses is None and costs nothing.
+
+    Rows that don't use a feature get its neutral value (temperature 1 on greedy rows, top_k =
+    vocab_size, top_p 1, min_p 0, penalties 1/0/0) so one batched op serves every row.
+    """
+
+    num_rows: int
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    greedy_mask: torch.Tensor | None = None  # [num_rows] bool; only for mixed batches
+    temperature: torch.Tensor | None = None  # [num_rows] float32; None when all greedy
+    top_k: torch.Tensor | None = None  # [num_rows] int64, vocab_size where off
+    max_top_k: int = 0
+    top_p: torch.Tensor | None = None  # [num_rows] float32
+    min_p: torch.Tensor | None = None  # [num_rows] float32
+    # Row index → that seeded random row's own generator.
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    presence_penalties: torch.Tensor | None = None  # [num_rows] float32
+    frequency_penalties: torch.Tensor | None = None  # [num_rows] float32
+    repetition_penalties: torch.Tensor | None = None  # [num_rows] float32
+    output_token_counts: torch.Tensor | None = None  # [num_rows, vocab_size] float32
+    prompt_mask: torch.Tensor | None = None  # [num_rows, vocab_size] bool
+    allowed_rows: torch.Tensor | None = None  # [num_allowed_rows] int64
+    allowed_token_ids: TokenIndex | None = None
+    logit_bias: TokenIndex | None = None
+    min_tokens_banned: TokenIndex | None = None
+    num_logprobs: list[int | None] = field(default_factory=list)
+    max_num_logprobs: int | None = None  # None when no row asks for logprobs
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.output_token_counts is None
+
+    @property
+    def no_top_k(self) -> bool:
+        return self.top_k is None
+
+    @property
+    def no_top_p(self) -> bool:
+        return self.top_p is None
+
+    @property
+    def no_min_p(self) -> bool:
+        return self.min_p is None
+
+    @property
+    def no_token_masks(self) -> bool:
+        return self.allowed_rows is None and self.logit_bias is None and self.min_tokens_banned is None
+
+    @classmethod
+    def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> SamplingMetadata:
+        """Batch `rows` (in logits row order). Allocates [rows, vocab] only for rows with penalties."""
+        greedy_flags = [row.params.is_greedy for row in rows]
+        all_greedy = all(greedy_flags)
+        all_random = not any(greedy_flags)
+        metadata = cls(
+            num_rows=len(rows), vocab_size=vocab_size, all_greedy=all_greedy, all_random=all_random
+        )
+        if not all_greedy:
+            _fill_random_sampling(metadata, rows, greedy_flags, device)
+        _fill_penalties(metadata, rows, device)
+        _fill_token_masks(metadata, rows, device)
+        metadata.num_logprobs = [row.params.logprobs for row in rows]
+        requested = [n for n in metadata.num_logprobs if n is not None]
+        metadata.max_num_logprobs = max(requested) if requested else None
+        return metadata
+
+
+def _fill_random_sampling(
+    metadata: SamplingMetadata, rows: list[SamplingRow], greedy_flags: list[bool], device: torch.device | str
+) -> None:
+    """Temperature, top-k/p, min-p and generators; greedy rows get neutral values."""
+    vocab_size = metadata.vocab_size
+    temperatures: list[float] = []
+    top_ks: list[int] = []
+    top_ps: list[float] = []
+    min_ps: list[float] = []
+    for index, (row, greedy) in enumerate(zip(rows, greedy_flags, strict=True)):
+        params = row.params
+        if greedy:
+            temperatures.append(1.0)
+            top_ks.append(vocab_size)
+            top_ps.append(1.0)
+            min_ps.append(0.0)
+            continue
+        temperatures.append(params.temperature)
+        top_k = params.top_k
+        top_ks.append(top_k if 0 < top_k < vocab_size else vocab_size)
+        top_ps.append(params.top_p)
+        min_ps.append(params.min_p)
+        if params.seed is not None:
+            if row.generator is None:
+                raise ValueError(f"row {index} has seed {params.seed} but no generator")
+            metadata.generators[index] = row.generator
+    metadata.temperature = torch.tensor(temperatures, dtype=torch.float32, device=device)
+    if not metadata.all_random:
+        metadata.greedy_mask = torch.tensor(greedy_flags, dtype=torch.bool, device=device)
+    enabled_top_ks = [k for k in top_ks if k < vocab_size]
+    if enabled_top_ks:
+        metadata.top_k = torch.tensor(top_ks, dtype=torch.int64, device=device)
+        metadata.max_top_k = max(enabled_top_ks)
+    if any(p < 1.0 for p in top_ps):
+        metadata.top_p = torch.tensor(top_ps, dtype=torch.float32, device=device)
+    if any(p > 0.0 for p in min_ps):
+        metadata.min_p = torch.tensor(min_ps, dtype=torch.float32, device=device)
+
+
+def _fill_penalties(metadata: SamplingMetadata, rows: list[SamplingRow], device: torch.device | str) -> None:
+    """Penalty vectors, output token counts and the prompt mask, only when some row has a penalty.
+
+    vLLM semantics: presence and frequency count output tokens only; repetition covers prompt and
+    output tokens. Only penalised rows' tokens are scattered: the rest have neutral penalties anyway.
+    """
+    presence = [row.params.presence_penalty for row in rows]
+    frequency = [row.params.frequency_penalty for row in rows]
+    repetition = [row.params.repetition_penalty for row in rows]
+    has_presence = any(p != 0.0 for p in presence)
+    has_frequency = any(f != 0.0 for f in frequency)
+    has_repetition = any(r != 1.0 for r in repetition)
+    if not (has_presence or has_frequency or has_repetition):
+        return
+    shape = (metadata.num_rows, metadata.vocab_size)
+    penalised = [
+        index
+        for index in range(len(rows))
+        if presence[index] != 0.0 or frequency[index] != 0.0 or repetition[index] != 1.0
+    ]
+    counts = torch.zeros(shape, dtype=torch.float32, device=device)
+    flat = _flat_indices(
+        penalised, [rows[i].output_token_ids for i in penalised], metadata.vocab_size, device
+    )
+    counts.view(-1).index_add_(0, flat, torch.ones(flat.numel(), dtype=torch.float32, device=device))
+    metadata.output_token_counts = counts
+    if has_presence:
+        metadata.presence_penalties = torch.tensor(presence, dtype=torch.float32, device=device)
+    if has_frequency:
+        metadata.frequency_penalties = torch.tensor(frequency, dtype=torch.float32, device=device)
+    if has_repetition:
+        metadata.repetition_penalties = torch.tensor(repetition, dtype=torch.float32, device=device)
+        repeated = [i for i in penalised if repetition[i] != 1.0]
+        prompt_mask = torch.zeros(shape, dtype=torch.bool, device=device)
+        flat = _flat_indices(
+            repeated, [rows[i].prompt_token_ids for i in repeated], metadata.vocab_size, device
+        )
+        prompt_mask.view(-1)[flat] = True
+        metadata.prompt_mask = prompt_mask
+
+
+def _fill_token_masks(
+    metadata: SamplingMetadata, rows: list[SamplingRow], device: torch.device | str
+) -> None:
+    """allowed_token_ids, logit_bias and min_tokens as sparse (row, token) pairs."""
+    allowed = [
+        (i, row.params.allowed_token_ids) for i, row in enumerate(rows) if row.params.allowed_token_ids
+    ]
+    if allowed:
+        metadata.allowed_rows = torch.tensor([i for i, _ in allowed], dtype=torch.int64, device=device)
+        metadata.allowed_token_ids = _token_index(
+            [i for i, _ in allowed], [ids for _, ids in allowed], device
+        )
+    biased = [(i, row.params.logit_bias) for i, row in enumerate(rows) if row.params.logit_bias]
+    if biased:
+        metadata.logit_bias = _token_index(
+            [i for i, _ in biased],
+            [list(bias.keys()) for _, bias in biased],
+            device,
+            values=list(chain.from_iterable(bias.values() for _, bias in biased)),
+        )
+    banned_rows: list[int] = []
+    banned_ids: list[list[int]] = []
+    for index, row in enumerate(rows):
+        params = row.params
+        if len(row.output_token_ids) >= params.min_tokens:
+            continue
+        # Like vLLM, every token that would stop the request is banned until min_tokens; with
+        # ignore_eos the EOS ids are not stops, so they stay allowed.
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= row.eos_token_ids
+        if stops:
+            banned_rows.append(index)
+            banned_ids.append(sorted(stops))
+    if banned_rows:
+        metadata.min_tokens_banned = _token_index(banned_rows, banned_ids, device)
+
+
+def _token_index(
+    row_ids: list[int],
+    token_ids_per_row: list[list[int]],
+    device: torch.device | str,
+    values: list[float] | None = None,
+) -> TokenIndex:
+    lengths = torch.tensor([len(ids) for ids in token_ids_per_row], dtype=torch.int64)
+    return TokenIndex(
+        row_ids=torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.int64), lengths).to(device),
+        token_ids=torch.tensor(
+            list(chain.from_iterable(token_ids_per_row)), dtype=torch.int64, device=device
+        ),
+        values=None if values is None else torch.tensor(values, dtype=torch.float32, device=device),
+    )
+
+
+def _flat_indices(
+    row_ids: list[int], token_ids_per_row: list[list[int]], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """Indices into a flattened [num_rows, vocab_size] tensor for each (row, token) pair."""
+    index = _token_index(row_ids, token_ids_per_row, device)
+    return index.row_ids * vocab_size + index.token_ids
+
+
+class Sampler:
+    """Samples one token per row from float32 logits, batched across rows.
+
+    Unseeded random rows draw their noise from `generator` (torch's default generator when None);
+    seeded rows from their own, so a seeded request's tokens do not depend on the rest of the batch.
+    """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Sample from `logits` [num_rows, vocab_size]; the sampler may modify `logits` in place."""
+        if logits.shape != (metadata.num_rows, metadata.vocab_size):
+            raise ValueError(
+                f"logits shape {tuple(logits.shape)} != ({metadata.num_rows}, {metadata.vocab_size})"
+            )
+        logits = logits.float()
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab_size]
+        logits = apply_token_masks(logits, metadata)
+        logits = apply_penalties(logits, metadata)
+        sampled = self._sample(logits, metadata)  # [num_rows] int64
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = _row_logprobs(raw_logprobs, sampled, metadata)
+        return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        greedy = None
+        if not metadata.all_random:
+            # torch.argmax returns the first maximum: ties go to the lowest token id.
+            greedy = logits.argmax(dim=-1)
+            if metadata.all_greedy:
+                return greedy
+        assert metadata.temperature is not None
+        logits = logits.div_(metadata.temperature.unsqueeze(1))
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.max_top_k, metadata.top_p)
+        probs = logits.softmax(dim=-1)  # [num_rows, vocab_size]
+        if metadata.min_p is not None:
+            probs = apply_min_p(probs, metadata.min_p)
+        sampled = self._exponential_race(probs, metadata.generators)
+        if greedy is None:
+            return sampled
+        assert metadata.greedy_mask is not None
+        return torch.where(metadata.greedy_mask, greedy, sampled)
+
+    def _exponential_race(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        """argmax(probs / q) with q ~ Exp(1) draws token i with probability probs[i] (no CPU sync)."""
+        noise = torch.empty_like(probs)
+        if len(generators) < probs.shape[0]:
+            noise.exponential_(generator=self.generator)
+        for row, generator in generators.items():
+            noise[row].exponential_(generator=generator)
+        # Exp(1) can return exactly 0; 0/0 would be NaN and argmax would pick a zero-probability token.
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        return probs.div_(noise).argmax(dim=-1)
+
+    @staticmethod
+    def compute_prompt_logprobs(
+        logits: torch.Tensor, next_token_ids: list[int], num_top: int
+    ) -> list[TokenLogprobs]:
+        """The module's `compute_prompt_logprobs`, for callers that hold a Sampler."""
+        return compute_prompt_logprobs(logits, next_token_ids, num_top)
+
+
+def apply_token_masks(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """allowed_token_ids (everything else -inf), then logit_bias, then min_tokens bans, in place."""
+    if metadata.allowed_rows is not None:
+        allowed = metadata.allowed_token_ids
+        assert allowed is not None
+        kept = logits[allowed.row_ids, allowed.token_ids]
+        logits.index_fill_(0, metadata.allowed_rows, _NEG_INF)
+        logits[allowed.row_ids, allowed.token_ids] = kept
+    if metadata.logit_bias is not None:
+        bias = metadata.logit_bias
+        assert bias.values is not None
+        logits.index_put_((bias.row_ids, bias.token_ids), bias.values, accumulate=True)
+    if metadata.min_tokens_banned is not None:
+        banned = metadata.min_tokens_banned
+        logits[banned.row_ids, banned.token_ids] = _NEG_INF
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt + output tokens), then frequency and presence (output tokens only)."""
+    counts = metadata.output_token_counts
+    if counts is None:
+        return logits
+    if metadata.repetition_penalties is not None:
+        seen = counts > 0
+        if metadata.prompt_mask is not None:
+            seen |= metadata.prompt_mask
+        scale = torch.where(seen, metadata.repetition_penalties.unsqueeze(1), 1.0)
+        # Dividing a positive logit and multiplying a negative one both make the token less likely.
+        logits = torch.where(logits > 0, logits / scale, logits * scale)
+    if metadata.frequency_penalties is not None:
+        logits -= metadata.frequency_penalties.unsqueeze(1) * counts
+    if metadata.presence_penalties is not None:
+        logits -= metadata.presence_penalties.unsqueeze(1) * (counts > 0)
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask to -inf all but each row's top-k logits, then all but its top-p nucleus.
+
+    Top-k keeps every token whose logit is >= the k-th largest, so ties at the boundary are all kept
+    (as in HF and vLLM). Top-p keeps the smallest prefix of tokens, by descending probability after
+    top-k, whose cumulative probability reaches top_p; the top token is always kept. Ties in top-p are
+    ordered by token id (a stable sort).
+    """
+    if top_p is None:
+        if top_k is None:
+            return logits
+        return _apply_top_k_only(logits, top_k, max_top_k)
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
+    if top_k is not None:
+        # Off rows hold vocab_size, so their threshold is the row minimum and nothing is masked.
+        kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
+    probs = sorted_logits.softmax(dim=-1)
+    # Probability mass strictly before each token: 0 for the top token, so it always survives.
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits.masked_fill_(mass_before >= top_p.unsqueeze(1), _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    # topk(max_top_k) instead of a full sort: the k-th value is all top-k needs.
+    top_values = logits.topk(max_top_k, dim=-1).values  # [num_rows, max_top_k]
+    kth = top_values.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
+    kth.masked_fill_((top_k > max_top_k).unsqueeze(1), _NEG_INF)
+    return logits.masked_fill_(logits < kth, _NEG_INF)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero, in place, every probability below min_p times its row's highest probability."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return probs.masked_fill_(probs < threshold, 0.0)
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: list[int], num_top: int
+) -> list[TokenLogprobs]:
+    """Logprobs of each prompt position's next token under `logits` [n, vocab] (raw), plus the top num_top."""
+    if logits.shape[0] != len(next_token_ids):
+        raise ValueError(f"{logits.shape[0]} logit rows for {len(next_token_ids)} next tokens")
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    token_ids = torch.tensor(next_token_ids, dtype=torch.int64, device=logits.device)
+    return _token_logprobs(logprobs, token_ids, num_top)
+
+
+def _row_logprobs(
+    raw_logprobs: torch.Tensor, sampled: torch.Tensor, metadata: SamplingMetadata
+) -> list[TokenLogprobs | None]:
+    """Logprobs for the rows that asked, computed once at the batch's largest N and trimmed per row."""
+    asking = [i for i, n in enumerate(metadata.num_logprobs) if n is not None]
+    assert metadata.max_num_logprobs is not None
+    if len(asking) < metadata.num_rows:
+        index = torch.tensor(asking, dtype=torch.int64, device=raw_logprobs.device)
+        raw_logprobs, sampled = raw_logprobs[index], sampled[index]
+    records = _token_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+    result: list[TokenLogprobs | None] = [None] * metadata.num_rows
+    for row, record in zip(asking, records, strict=True):
+        num_top = metadata.num_logprobs[row]
+        assert num_top is not None
+        if len(record.top) > num_top:
+            record = TokenLogprobs(record.token_id, record.logprob, record.rank, record.top[:num_top])
+        result[row] = record
+    return result
+
+
+def _token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
+    """TokenLogprobs for token_ids[i] under logprobs[i] [m, vocab], with each row's top num_top."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [m, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    num_top = min(num_top, logprobs.shape[1])
+    if num_top > 0:
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)
+        top_lists = list(zip(top_ids.tolist(), top_values.tolist(), strict=True))
+    else:
+        top_lists = [([], [])] * logprobs.shape[0]
+    return [
+        TokenLogprobs(token_id, logprob, rank, list(zip(ids, values, strict=True)))
+        for token_id, logprob, rank, (ids, values) in zip(
+            token_ids.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), top_lists, strict=True
+        )
+    ]

@@ -1,0 +1,147 @@
+"""Messages across the process boundary (frontend <-> engine core): msgspec tagged unions.
+
+Only token ids, validated sampling params, per-step outputs and stats cross it: never text to
+detokenize, tensors, pickles or tokenizers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from izh.sampling_params import SamplingParams
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """The logprob and rank of one chosen token, plus the top-N alternatives of its position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    """1 + the number of tokens with a strictly greater logprob."""
+    top: list[tuple[int, float]] = []
+
+
+# --- frontend -> core ---------------------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag=True, kw_only=True):
+    """One generation request (n == 1: the frontend fans n > 1 out into child requests)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Utility(msgspec.Struct, tag=True):
+    """A call on the core answered by a UtilityResult with the same call_id.
+
+    Methods: "ping" (heartbeat), "stats", "reset_prefix_cache", "kv_block_states".
+    """
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+EngineInput = AddRequest | Abort | Utility | Shutdown
+
+
+# --- core -> frontend ---------------------------------------------------------------------------
+
+
+class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one request got in one step. finish_reason set means the request is over in the core."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    """stop | length | abort | error."""
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    """For finish_reason "error": why this request failed (the others go on)."""
+    error_code: int = 0
+    """HTTP-like status for the error (400 for a bad request found by the core)."""
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    """Monotonic engine-clock times, sent with a request's first output (for queue/prefill metrics)."""
+
+
+class SchedulerStats(msgspec.Struct, kw_only=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_blocks: int = 0
+    prefix_cache_queries: int = 0
+    """Cumulative, in tokens."""
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    """Cumulative prompt tokens computed (not served from the prefix cache)."""
+    num_generation_tokens: int = 0
+    iteration_tokens: list[int] = []
+    """Tokens scheduled in each step since the last stats message."""
+
+
+class EngineOutputs(msgspec.Struct, tag=True, kw_only=True):
+    """One step's outputs (and, at most every few ms, the scheduler stats)."""
+
+    outputs: list[EngineOutput]
+    timestamp: float
+    stats: SchedulerStats | None = None
+
+
+class Ready(msgspec.Struct, tag=True, kw_only=True):
+    """The core loaded its model and serves."""
+
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    device: str
+    dtype: str
+
+
+class Dead(msgspec.Struct, tag=True):
+    """The core failed (at start or in step()) and exits; every in-flight request fails."""
+
+    reason: str
+
+
+class UtilityResult(msgspec.Struct, tag=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+EngineMessage = EngineOutputs | Ready | Dead | UtilityResult
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def make_input_decoder() -> msgspec.msgpack.Decoder[EngineInput]:
+    return msgspec.msgpack.Decoder(EngineInput)
+
+
+def make_output_decoder() -> msgspec.msgpack.Decoder[EngineMessage]:
+    return msgspec.msgpack.Decoder(EngineMessage)
