@@ -1,0 +1,1 @@
+"""The `izh` command line (Typer); see izh_cli.main."""

