@@ -1,0 +1,428 @@
+"""Paged KV cache bookkeeping: blocks, the LRU free queue, the prefix cache and the manager (pure Python).
+
+A block holds the KV of `block_size` consecutive tokens of one sequence. A full block is named by a chain
+hash, sha256(parent hash, its token ids, extra keys), so equal hashes mean equal prefixes and a new
+request can reuse every leading block another request already computed. Freed blocks keep their hash
+until the pool hands them out again, so a later request can still hit them; the free queue is LRU, and a
+request frees its blocks tail first so that the ends of sequences are evicted before shared prefixes.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TypedDict
+
+import msgspec
+
+from izh.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class BlockState(enum.IntEnum):
+    """One block's state, as `KVCacheManager.block_states` reports it."""
+
+    FREE = 0
+    """In the free queue, no prefix-cache entry."""
+    CACHED = 1
+    """In the free queue but still a prefix-cache entry: reusable until evicted."""
+    USED = 2
+    """Held by at least one request."""
+
+
+class KVCacheStats(TypedDict):
+    num_blocks: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    """Prefix-cache entries, in use or free."""
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    """One physical block. `prev_free`/`next_free` link it into the free queue while ref_cnt is 0."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+    prev_free: KVCacheBlock | None = field(default=None, repr=False)
+    next_free: KVCacheBlock | None = field(default=None, repr=False)
+
+
+def hash_block_tokens(
+    parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple[str | None, ...] | None
+) -> bytes:
+    """The chain hash of one full block: sha256 over msgpack of (parent hash, token ids, extra keys)."""
+    payload = msgspec.msgpack.encode((parent_hash or b"", token_ids, extra_keys))
+    return hashlib.sha256(payload).digest()
+
+
+def update_block_hashes(request: Request, block_size: int) -> None:
+    """Extend `request.block_hashes` to cover every full block of its known tokens.
+
+    Only blocks that became full since the last call are hashed. The extra keys (LoRA name, cache salt)
+    go into the first block only: every later hash chains from it, so they carry the salt too.
+    """
+    hashes = request.block_hashes
+    num_full_blocks = request.num_tokens // block_size
+    if len(hashes) >= num_full_blocks:
+        return
+    token_ids = request.all_token_ids
+    for index in range(len(hashes), num_full_blocks):
+        parent = hashes[-1] if hashes else None
+        extra_keys = None if parent is not None else (request.lora_name, request.cache_salt)
+        start = index * block_size
+        hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys))
+
+
+class FreeBlockQueue:
+    """Doubly-linked list of free blocks, least recently freed first: O(1) popleft, append and remove.
+
+    The links live in the blocks themselves (no node objects), between two sentinel blocks.
+    """
+
+    __slots__ = ("_head", "_tail", "num_free_blocks")
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(block_id=-1)
+        self._tail = KVCacheBlock(block_id=-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def popleft(self) -> KVCacheBlock:
+        """Remove and return the least recently freed block."""
+        block = self._head.next_free
+        if block is None or block is self._tail:
+            raise IndexError("no free block left")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink a block from anywhere in the queue (a prefix hit revives a free block)."""
+        prev_block, next_block = block.prev_free, block.next_free
+        if prev_block is None or next_block is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev_block.next_free = next_block
+        next_block.prev_free = prev_block
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Add a block at the most-recently-freed end."""
+        last = self._tail.prev_free
+        assert last is not None  # the tail sentinel always has a predecessor
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+
+class BlockPool:
+    """All blocks, their reference counts, the free queue and the prefix-cache map."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
+        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take `num_blocks` blocks off the front of the free queue, evicting their cache entries."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} blocks, only {self.num_free_blocks} free")
+        new_blocks = []
+        for _ in range(num_blocks):
+            block = self.free_block_queue.popleft()
+            self.evict(block)
+            block.ref_cnt = 1
+            new_blocks.append(block)
+        return new_blocks
+
+    def evict(self, block: KVCacheBlock) -> None:
+        """Drop the block's prefix-cache entry, if it has one."""
+        if block.block_hash is None:
+            return
+        if self.cached_block_hash_to_block.get(block.block_hash) is block:
+            del self.cached_block_hash_to_block[block.block_hash]
+        block.block_hash = None
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference on each block; a free one (a prefix hit) leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block; those reaching 0 join the free queue in the given order,
+        so the first given is the first evicted."""
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def cache_full_blocks(
+        self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes], start: int, end: int
+    ) -> None:
+        """Make blocks[start:end] (now full) prefix-cache entries under block_hashes[start:end].
+
+        A hash already cached by another block (two requests computed the same prefix at once) keeps
+        its first block; the duplicate stays uncached and is simply freed later.
+        """
+        if not self.enable_caching:
+            return
+        for index in range(start, end):
+            block = blocks[index]
+            if block.block_hash is not None:
+                continue  # a prefix hit: already cached
+            block_hash = block_hashes[index]
+            if block_hash not in self.cached_block_hash_to_block:
+                block.block_hash = block_hash
+                self.cached_block_hash_to_block[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cache entry. Refused (False, nothing changed) while any block is in use: after a
+        weight update the running requests' KV would be stale anyway."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
+
+
+def _check(condition: bool, message: str) -> None:
+    # An explicit raise, not `assert`: invariant checks must also run under `python -O`.
+    if not condition:
+        raise AssertionError(message)
+
+
+class KVCacheManager:
+    """Gives requests block tables, shares prefix-cache hits between them, and frees their blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Kept in step with req_to_blocks so the scheduler can hand out block tables without a copy.
+        self.req_to_block_ids: dict[str, list[int]] = {}
+        # How many leading blocks of each request are already cached (or were tried): only the blocks
+        # past it get hashed and cached, so a decode step does O(1) cache work.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0
+        """Tokens looked up in the prefix cache (cumulative)."""
+        self.prefix_cache_hits = 0
+        """Tokens served from the prefix cache (cumulative)."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached but free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request's full blocks, and its length in tokens.
+
+        At most `(num_tokens - 1) // block_size` blocks: the last token is always left to compute, so
+        the step that computes it can sample. Touches nothing; `allocate_slots` takes the references
+        and counts the lookup in prefix_cache_queries / prefix_cache_hits once it succeeds, so a request
+        that keeps waiting for blocks is counted once, not every step.
+        """
+        if not self.enable_caching or request.skips_prefix_cache:
+            return [], 0
+        update_block_hashes(request, self.block_size)
+        max_num_blocks = (request.num_tokens - 1) // self.block_size
+        computed_blocks: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_num_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            computed_blocks.append(block)
+        return computed_blocks, len(computed_blocks) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Grow the request's block table to hold its computed tokens, the prefix hit and
+        `num_new_tokens` more; return the newly allocated blocks.
+
+        All or nothing: None, and nothing changed, when the free queue cannot supply the blocks. On
+        success the prefix-hit blocks gain a reference, and every block that the scheduled tokens fill
+        becomes a prefix-cache entry.
+        """
+        request_id = request.request_id
+        computed = new_computed_blocks or []
+        blocks = self.req_to_blocks.get(request_id)
+        num_held = 0 if blocks is None else len(blocks)
+        num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_new_blocks = -(-num_tokens_after // self.block_size) - num_held - len(computed)
+        if num_new_blocks > 0:
+            # Free prefix hits sit in the free queue too, but must not be handed out as new blocks.
+            num_free_hits = sum(1 for block in computed if block.ref_cnt == 0) if computed else 0
+            if num_new_blocks > self.block_pool.num_free_blocks - num_free_hits:
+                return None
+
+        if blocks is None:
+            blocks = self.req_to_blocks[request_id] = []
+            self.req_to_block_ids[request_id] = []
+            self.num_cached_blocks[request_id] = 0
+        if computed:
+            self.block_pool.touch(computed)
+            blocks.extend(computed)
+            self.req_to_block_ids[request_id].extend([block.block_id for block in computed])
+            self.num_cached_blocks[request_id] = len(blocks)
+        new_blocks: list[KVCacheBlock] = []
+        if num_new_blocks > 0:
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+            blocks.extend(new_blocks)
+            self.req_to_block_ids[request_id].extend([block.block_id for block in new_blocks])
+
+        if self.enable_caching:
+            if new_computed_blocks is not None and not request.skips_prefix_cache:
+                # The result of a lookup: count it now that it is used.
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_new_computed_tokens
+            num_full_blocks = min(num_tokens_after, request.num_tokens) // self.block_size
+            if num_full_blocks > self.num_cached_blocks[request_id] and not request.skips_prefix_cache:
+                self._cache_full_blocks(request, blocks, num_full_blocks)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_full_blocks: int) -> None:
+        # Cached now, before the step runs: a request scheduled later in the same step may hit these
+        # blocks, which is sound because each layer writes the whole batch's KV before attending.
+        update_block_hashes(request, self.block_size)
+        num_cached = self.num_cached_blocks[request.request_id]
+        self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full_blocks)
+        self.num_cached_blocks[request.request_id] = num_full_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first so that sequence ends are evicted before prefixes."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.req_to_block_ids.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if not blocks:
+            return
+        # allocate_slots caches blocks before the step computes them. A request preempted in the step
+        # that scheduled it never computes them, so their entries must go: a hit would read garbage.
+        for block in blocks[request.num_computed_tokens // self.block_size :]:
+            self.block_pool.evict(block)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table: the live list, not a copy. Read it; never mutate it."""
+        return self.req_to_block_ids.get(request_id, [])
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache entry; False (and nothing changed) while any block is in use."""
+        if not self.block_pool.reset_prefix_cache():
+            logger.warning(
+                "prefix cache not reset: %d blocks still in use", self.num_blocks - self.num_free_blocks
+            )
+            return False
+        # Hashes are of token content, so the requests' hash lists stay valid; nothing else to undo.
+        logger.info("prefix cache reset")
+        return True
+
+    def block_states(self) -> list[int]:
+        """One BlockState per block id (O(num_blocks): for dashboards, never for the step loop)."""
+        return [
+            BlockState.USED
+            if block.ref_cnt > 0
+            else BlockState.CACHED
+            if block.block_hash is not None
+            else BlockState.FREE
+            for block in self.block_pool.blocks
+        ]
+
+    def make_stats(self) -> KVCacheStats:
+        num_cached = len(self.block_pool.cached_block_hash_to_block)
+        return {
+            "num_blocks": self.num_blocks,
+            "num_free_blocks": self.num_free_blocks,
+            "num_used_blocks": self.num_blocks - self.num_free_blocks,
+            "num_cached_blocks": num_cached,
+            "kv_cache_usage": self.usage,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+        }
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant (O(num_blocks); tests call it)."""
+        pool = self.block_pool
+        free_ids: set[int] = set()
+        for block in pool.free_block_queue:
+            _check(block.block_id not in free_ids, f"block {block.block_id} twice in the free queue")
+            _check(block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}")
+            free_ids.add(block.block_id)
+        _check(len(free_ids) == pool.num_free_blocks, "free queue length differs from its counter")
+
+        ref_cnts = [0] * self.num_blocks
+        for request_id, blocks in self.req_to_blocks.items():
+            ids = [block.block_id for block in blocks]
+            _check(len(set(ids)) == len(ids), f"request {request_id} holds a block twice: {ids}")
+            _check(ids == self.req_to_block_ids[request_id], f"request {request_id}: stale block ids")
+            for block_id in ids:
+                ref_cnts[block_id] += 1
+        for block in pool.blocks:
+            _check(block.ref_cnt >= 0, f"block {block.block_id} has negative ref_cnt {block.ref_cnt}")
+            _check(
+                block.ref_cnt == ref_cnts[block.block_id],
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {ref_cnts[block.block_id]} requests",
+            )
+            _check(
+                (block.ref_cnt == 0) == (block.block_id in free_ids),
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue: {block.block_id in free_ids}",
+            )
+            if block.block_hash is not None:
+                _check(
+                    pool.cached_block_hash_to_block.get(block.block_hash) is block,
+                    f"block {block.block_id} has a hash the cache maps elsewhere",
+                )
+        num_used = sum(1 for count in ref_cnts if count > 0)
+        _check(num_used + pool.num_free_blocks == self.num_blocks, "free + used != total")
+        for block_hash, block in pool.cached_block_hash_to_block.items():
+            _check(
+                block.block_hash == block_hash,
+                f"cache entry maps to block {block.block_id} with another hash",
+            )

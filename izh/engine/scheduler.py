@@ -1,0 +1,422 @@
+"""Scheduler: picks each step's tokens under one token budget (pure Python).
+
+There is no prefill or decode phase. Each step the running requests go first, in order, then the waiting
+ones by policy, and each takes min(tokens still to compute, budget left): a long prompt is prefilled in
+chunks, a prefix-cache hit skips its cached tokens, a decode takes one token, all from the same loop.
+When blocks run out, the lowest-priority, latest-arrival running request is preempted: its blocks are
+freed and it is recomputed later (prompt + outputs so far), usually cheaply thanks to the prefix cache.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TypedDict
+
+from izh.engine.kv_cache import KVCacheManager
+from izh.engine.request import Request, RequestStatus
+from izh.errors import ContextLengthExceeded, InvalidRequest
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("fcfs", "priority")
+
+
+class SchedulerStatsDict(TypedDict):
+    """make_stats(): SchedulerStats' names (cumulative counters) plus the last step's token count."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_steps: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_scheduled_tokens_last_step: int
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request: Request
+    num_scheduled_tokens: int
+    num_computed_tokens_before: int
+    """The request's num_computed_tokens when scheduled: the scheduled tokens sit at positions
+    [num_computed_tokens_before, num_computed_tokens_before + num_scheduled_tokens)."""
+    block_ids: list[int]
+    """The request's whole block table (the KV manager's live list: read it, never mutate it)."""
+    samples: bool
+    """True when this step computes the last known token, so the step samples a new one."""
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step computes, in batch order, and what changed since the last step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+    """Requests finished or aborted since the previous schedule(): their per-request state can go."""
+
+
+class _WaitingQueue:
+    """Waiting requests: FCFS (a deque; preempted ones go back to the front) or priority (a heap on
+    (priority, arrival_time, admission order), where a preempted request keeps its original place)."""
+
+    __slots__ = ("_counter", "_deque", "_heap", "_policy")
+
+    def __init__(self, policy: str) -> None:
+        self._policy = policy
+        self._deque: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._deque) + len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        if self._policy == "fcfs":
+            return iter(self._deque)
+        return (entry[3] for entry in self._heap)
+
+    def add(self, request: Request) -> None:
+        if self._policy == "fcfs":
+            self._deque.append(request)
+        else:
+            self._push(request)
+
+    def add_front(self, request: Request) -> None:
+        if self._policy == "fcfs":
+            self._deque.appendleft(request)
+        else:
+            self._push(request)
+
+    def _push(self, request: Request) -> None:
+        heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
+
+    def peek(self) -> Request:
+        return self._deque[0] if self._policy == "fcfs" else self._heap[0][3]
+
+    def pop(self) -> Request:
+        return self._deque.popleft() if self._policy == "fcfs" else heapq.heappop(self._heap)[3]
+
+    def remove(self, request: Request) -> None:
+        """O(len): aborts are rare next to steps."""
+        if self._policy == "fcfs":
+            self._deque.remove(request)
+            return
+        self._heap = [entry for entry in self._heap if entry[3] is not request]
+        heapq.heapify(self._heap)
+
+
+class Scheduler:
+    """Continuous batching over a KVCacheManager under one token budget per step."""
+
+    def __init__(
+        self,
+        *,
+        kv_cache_manager: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        policy: str = "fcfs",
+        block_size: int | None = None,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r}; supported: {', '.join(POLICIES)}")
+        if block_size is not None and block_size != kv_cache_manager.block_size:
+            raise ValueError(
+                f"block_size {block_size} differs from the KV cache's {kv_cache_manager.block_size}"
+            )
+        if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
+            raise ValueError(
+                f"need max_num_batched_tokens >= 1, max_num_seqs >= 1, max_model_len >= 2; got "
+                f"{max_num_batched_tokens}, {max_num_seqs}, {max_model_len}"
+            )
+        capacity = kv_cache_manager.num_blocks * kv_cache_manager.block_size
+        if capacity < max_model_len:
+            # A request alone must always fit, or it would preempt itself forever.
+            raise ValueError(f"the KV cache holds {capacity} tokens, less than max_model_len {max_model_len}")
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.requests: dict[str, Request] = {}
+        """Every unfinished request by id."""
+        self.running: list[Request] = []
+        self.waiting = _WaitingQueue(policy)
+        self._finished_request_ids: list[str] = []
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.num_scheduled_tokens_last_step = 0
+        self.num_prompt_tokens = 0
+        """Prompt tokens computed (prefix hits excluded, recomputation included), cumulative."""
+        self.num_generation_tokens = 0
+
+    # -- requests in and out ------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises ContextLengthExceeded when the prompt leaves no room for one
+        output token within max_model_len, InvalidRequest for an empty prompt or a reused id."""
+        num_prompt_tokens = request.num_prompt_tokens
+        if num_prompt_tokens == 0:
+            raise InvalidRequest("The prompt is empty; at least one token is needed.", param="prompt")
+        if num_prompt_tokens >= self.max_model_len:
+            max_tokens = request.sampling_params.max_tokens
+            num_completion_tokens = 1 if max_tokens is None else max_tokens
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num_prompt_tokens + num_completion_tokens} tokens ({num_prompt_tokens} in "
+                f"the prompt, {num_completion_tokens} for the completion). Please reduce the length of "
+                "the prompt."
+            )
+        if request.request_id in self.requests:
+            raise InvalidRequest(f"request id {request.request_id!r} is already in use")
+        request.resolve_max_tokens(self.max_model_len)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Abort requests in any state, freeing their blocks; unknown or finished ids are ignored."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside (abort, stop string, grammar end); returns those finished."""
+        if status <= RequestStatus.PREEMPTED:
+            raise ValueError(f"{status!r} is not a finished status")
+        finished: list[Request] = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        # The caller takes the request out of running / waiting (update_from_output does it in bulk).
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_request_ids.append(request.request_id)
+
+    # -- one step -----------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts, allocating their blocks."""
+        output = SchedulerOutput()
+        budget = self._schedule_running(output, self.max_num_batched_tokens)
+        # After a preemption blocks are scarce: admitting new work would only preempt again.
+        if not output.preempted_request_ids:
+            budget = self._schedule_waiting(output, budget)
+        output.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        output.finished_request_ids = self._finished_request_ids
+        self._finished_request_ids = []
+        self.num_steps += 1
+        self.num_scheduled_tokens_last_step = output.total_num_scheduled_tokens
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        """Give each running request, in order, what it still needs; preempt when blocks run out."""
+        # A snapshot: preemption removes requests from self.running while we walk it.
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new_tokens <= 0:
+                continue  # its step produced no token (the runner skipped it); nothing to compute
+            while True:
+                if self.kv_cache_manager.allocate_slots(request, num_new_tokens) is not None:
+                    self._add_scheduled(output, request, num_new_tokens)
+                    budget -= num_new_tokens
+                    break
+                victim = self._pick_victim()
+                budget += self._preempt(victim, output)
+                if victim is request:
+                    break  # it waits; later running requests may still fit without new blocks
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests by policy until the budget, max_num_seqs or the blocks run out."""
+        kv = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+            if kv.allocate_slots(request, num_new_tokens, computed_blocks, num_hit_tokens) is None:
+                break  # the head waits for blocks; skipping it for smaller requests could starve it
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            self.running.append(request)
+            self._add_scheduled(output, request, num_new_tokens)
+            budget -= num_new_tokens
+        return budget
+
+    def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new_tokens: int) -> None:
+        num_computed = request.num_computed_tokens
+        output.scheduled.append(
+            ScheduledRequest(
+                request=request,
+                num_scheduled_tokens=num_new_tokens,
+                num_computed_tokens_before=num_computed,
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                samples=num_computed + num_new_tokens == request.num_tokens,
+            )
+        )
+
+    def _pick_victim(self) -> Request:
+        """The lowest-priority (highest value), latest-arrival running request; FCFS ignores priority.
+        Ties go to the one latest in the running list."""
+        if self.policy == "priority":
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        return max(reversed(self.running), key=lambda r: r.arrival_time)
+
+    def _preempt(self, victim: Request, output: SchedulerOutput) -> int:
+        """Free the victim's blocks and put it back in front of the waiting queue. Returns the tokens it
+        gives back to this step's budget (non-zero when it was already scheduled in this step)."""
+        self.running.remove(victim)
+        num_returned = 0
+        for index, scheduled in enumerate(output.scheduled):
+            if scheduled.request is victim:
+                num_returned = scheduled.num_scheduled_tokens
+                del output.scheduled[index]
+                break
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_front(victim)
+        output.preempted_request_ids.append(victim.request_id)
+        logger.debug("preempted request %s (%d tokens)", victim.request_id, victim.num_tokens)
+        return num_returned
+
+    # -- after the step -----------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+    ) -> list[Request]:
+        """Advance every scheduled request by its scheduled tokens, append the sampled tokens and check
+        the stop conditions. Returns the requests that got new tokens or finished, in batch order."""
+        updated: list[Request] = []
+        num_finished = 0
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted or finished from outside since schedule()
+            before = scheduled.num_computed_tokens_before
+            request.num_computed_tokens = before + scheduled.num_scheduled_tokens
+            if before < request.num_prompt_tokens:
+                self.num_prompt_tokens += min(request.num_computed_tokens, request.num_prompt_tokens) - before
+            token_ids = sampled_token_ids.get(request.request_id)
+            if not token_ids:
+                continue
+            if not scheduled.samples:
+                raise ValueError(f"request {request.request_id} got a token in a step that does not sample")
+            status = self._append_and_check_stop(request, token_ids)
+            if status is not None:
+                self._finish(request, status)
+                num_finished += 1
+            updated.append(request)
+        if num_finished:
+            self.running = [request for request in self.running if request.status == RequestStatus.RUNNING]
+        return updated
+
+    def _append_and_check_stop(self, request: Request, token_ids: list[int]) -> RequestStatus | None:
+        """Append tokens one by one, stopping at the first that finishes the request."""
+        params = request.sampling_params
+        for token_id in token_ids:
+            request.append_output_token_ids(token_id)
+            self.num_generation_tokens += 1
+            # min_tokens tokens must come out before EOS or a stop token counts (the sampler masks
+            # them until then, so this only matters for a runner that does not).
+            if request.num_output_tokens > params.min_tokens:
+                if not params.ignore_eos and token_id in request.eos_token_ids:
+                    return RequestStatus.FINISHED_STOPPED
+                if token_id in params.stop_token_ids:
+                    request.stop_reason = token_id
+                    return RequestStatus.FINISHED_STOPPED
+            # max_tokens is already capped by max_model_len; the second test guards recomputation.
+            if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+                return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- observability ------------------------------------------------------------------------------
+
+    def make_stats(self) -> SchedulerStatsDict:
+        kv = self.kv_cache_manager
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_cache_usage": kv.usage,
+            "num_blocks": kv.num_blocks,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_preemptions": self.num_preemptions,
+            "num_steps": self.num_steps,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
+            "num_scheduled_tokens_last_step": self.num_scheduled_tokens_last_step,
+        }
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError on inconsistent state (also checks the KV cache; O(everything))."""
+        self.kv_cache_manager.check_invariants()
+        waiting = list(self.waiting)
+        ids = [r.request_id for r in self.running] + [r.request_id for r in waiting]
+        if sorted(ids) != sorted(self.requests):
+            raise AssertionError(f"running + waiting {sorted(ids)} != unfinished {sorted(self.requests)}")
+        if len(self.running) > self.max_num_seqs:
+            raise AssertionError(f"{len(self.running)} running > max_num_seqs {self.max_num_seqs}")
+        kv = self.kv_cache_manager
+        for request in self.running:
+            num_blocks = len(kv.get_block_ids(request.request_id))
+            if (
+                request.status != RequestStatus.RUNNING
+                or num_blocks * self.block_size < request.num_computed_tokens
+            ):
+                raise AssertionError(
+                    f"running request {request.request_id} is {request.status!r} with {num_blocks} blocks"
+                )
+            if not 0 <= request.num_computed_tokens <= request.num_tokens <= self.max_model_len:
+                raise AssertionError(f"request {request.request_id}: bad token counts")
+        for request in waiting:
+            if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                raise AssertionError(f"waiting request {request.request_id} is {request.status!r}")
+            if request.num_computed_tokens != 0 or kv.get_block_ids(request.request_id):
+                raise AssertionError(f"waiting request {request.request_id} holds computed tokens or blocks")
