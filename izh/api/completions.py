@@ -1,0 +1,295 @@
+"""POST /v1/completions: text or token-id prompts (one or a batch), n samples each, stream or not.
+
+Choice `index` = prompt_index * n + sample_index. With `echo`, each choice starts with its prompt
+(and, with logprobs, the prompt's logprobs; the first prompt token has none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from izh.api.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionPrompt,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from izh.api.serving import (
+    ApiState,
+    Child,
+    UsageCounter,
+    admit,
+    api_state,
+    append_completion_logprobs,
+    build_sampling_params,
+    check_model,
+    check_prompt_token_ids,
+    check_serving,
+    check_unsupported,
+    json_response,
+    merge_outputs,
+    prompt_logprobs_json,
+    read_json,
+    request_id_of,
+    resolve_max_tokens,
+    until_disconnected,
+)
+from izh.api.sse import SSEResponse, data_event, sse_stream
+from izh.errors import InvalidRequest
+from izh.frontend.output_processor import RequestOutput
+from izh.sampling_params import SamplingParams
+from izh.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One prompt of the batch: its token ids, and its text when echo needs it."""
+
+    token_ids: list[int]
+    text: str = ""
+
+
+def split_prompts(prompt: CompletionPrompt) -> list[str | list[int]]:
+    """The batch in `prompt`: a string, a list of token ids, or a list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidRequest("prompt must not be empty", param="prompt")
+    if all(isinstance(item, int) for item in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def _encode_prompts(
+    tokenizer: Tokenizer, prompts: list[str | list[int]], add_special_tokens: bool, echo: bool
+) -> list[Prompt]:
+    result = []
+    for item in prompts:
+        if isinstance(item, str):
+            result.append(Prompt(tokenizer.encode(item, add_special_tokens=add_special_tokens), item))
+        else:
+            result.append(Prompt(item, tokenizer.decode(item) if echo else ""))
+    return result
+
+
+async def encode_prompts(
+    tokenizer: Tokenizer, prompt: CompletionPrompt, *, add_special_tokens: bool, echo: bool, vocab_size: int
+) -> list[Prompt]:
+    """Tokenize (off the event loop) and check every prompt of the batch."""
+    items = split_prompts(prompt)
+    prompts = await asyncio.to_thread(_encode_prompts, tokenizer, items, add_special_tokens, echo)
+    for i, item in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+        check_prompt_token_ids(item.token_ids, vocab_size, param)
+    return prompts
+
+
+def check_completion_request(body: CompletionRequest) -> None:
+    check_unsupported(body)
+    if body.suffix is not None:
+        raise InvalidRequest("suffix is not supported", param="suffix", code="unsupported")
+    if body.best_of is not None and body.best_of != body.n:
+        raise InvalidRequest(
+            f"best_of must equal n (izh returns every sample it generates), got best_of={body.best_of}, n={body.n}",
+            param="best_of",
+        )
+
+
+@dataclass(slots=True)
+class CompletionContext:
+    id: str
+    created: int
+    model: str
+    prompts: list[Prompt]
+    echo: bool
+    logprobs: int | None
+    include_usage: bool
+    continuous_usage: bool
+    tokenizer: Tokenizer
+    want_prompt_logprobs: bool = False
+    offsets: dict[int, int] = field(default_factory=dict)
+    """Per choice: the text offset the next token starts at (legacy logprobs)."""
+    started: set[int] = field(default_factory=set)
+
+
+async def create_completion(request: Request) -> Response:
+    """OpenAI's legacy completions (stream or not), with vLLM's extensions."""
+    state = api_state(request)
+    check_serving(request)
+    body = await read_json(request, CompletionRequest)
+    check_model(state, body.model)
+    check_completion_request(body)
+    llm = state.llm
+    vocab_size = llm.ready.vocab_size
+    prompts = await encode_prompts(
+        llm.tokenizer,
+        body.prompt,
+        add_special_tokens=body.add_special_tokens,
+        echo=body.echo,
+        vocab_size=vocab_size,
+    )
+    params = [_sampling_params(state, body, prompt, i, len(prompts)) for i, prompt in enumerate(prompts)]
+    request_id = request_id_of(request)
+    options = body.stream_options
+    ctx = CompletionContext(
+        id=f"cmpl-{request_id}",
+        created=int(time.time()),
+        model=state.model_name,
+        prompts=prompts,
+        echo=body.echo,
+        logprobs=body.logprobs,
+        include_usage=bool(options and options.include_usage),
+        continuous_usage=bool(options and options.continuous_usage_stats),
+        tokenizer=llm.tokenizer,
+        want_prompt_logprobs=body.prompt_logprobs is not None,
+    )
+    state.metrics.on_api_request(body.n)
+    children = await admit(
+        state,
+        ctx.id,
+        [p.token_ids for p in prompts],
+        params,
+        priority=body.priority,
+        cache_salt=body.cache_salt,
+    )
+    logger.debug("[%s] completion: %d prompts, %d choices", request_id, len(prompts), len(children))
+    if body.stream:
+        events = sse_stream(_events(ctx, children), keepalive_s=state.sse_keepalive_s, request_id=request_id)
+        return SSEResponse(events, on_close=lambda: _abort_all(children))
+    try:
+        result = await until_disconnected(request, _collect(ctx, children))
+    finally:
+        _abort_all(children)
+    return result if isinstance(result, Response) else json_response(result)
+
+
+def _abort_all(children: list[Child]) -> None:
+    for child in children:
+        child.stream.abort()
+
+
+def _sampling_params(
+    state: ApiState, body: CompletionRequest, prompt: Prompt, index: int, num_prompts: int
+) -> SamplingParams:
+    max_tokens = resolve_max_tokens(
+        body.max_tokens,
+        # The field defaults to 16 (OpenAI's legacy default), which clamps rather than refuses.
+        explicit="max_tokens" in body.model_fields_set and body.max_tokens is not None,
+        default=state.sampling_defaults.get("max_tokens"),
+        num_prompt_tokens=len(prompt.token_ids),
+        max_model_len=state.max_model_len,
+        param="prompt" if num_prompts == 1 else f"prompt.{index}",
+    )
+    prompt_logprobs = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:
+        # Echoed prompt tokens carry logprobs too: ask the engine for the prompt's.
+        prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+    params = build_sampling_params(
+        body,
+        state.sampling_defaults,
+        max_tokens=max_tokens,
+        logprobs=body.logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+    params.validate(state.llm.ready.vocab_size)
+    return params
+
+
+def _first_token_strs(ctx: CompletionContext, child: Child) -> list[str]:
+    """Display text of the first prompt token (the one position without a logprob)."""
+    token_ids = ctx.prompts[child.prompt_index].token_ids[:1]
+    return [ctx.tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in token_ids]
+
+
+def _piece(ctx: CompletionContext, child: Child, out: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
+    """The text and legacy logprobs one output adds to its choice (the echo on the first one)."""
+    text = out.text
+    logprobs = CompletionLogprobs() if ctx.logprobs is not None else None
+    offset = ctx.offsets.get(child.index, 0)
+    first = child.index not in ctx.started
+    ctx.started.add(child.index)
+    if first and ctx.echo:
+        text = ctx.prompts[child.prompt_index].text + text
+        if logprobs is not None and out.prompt_logprobs is not None:
+            offset = append_completion_logprobs(
+                logprobs, out.prompt_logprobs, ctx.logprobs or 0, offset, _first_token_strs(ctx, child)
+            )
+    if logprobs is not None and out.logprobs:
+        offset = append_completion_logprobs(logprobs, list(out.logprobs), ctx.logprobs or 0, offset)
+    ctx.offsets[child.index] = offset
+    return text, logprobs
+
+
+def _chunk(ctx: CompletionContext, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
+    body = CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=usage)
+    return data_event(body.model_dump_json())
+
+
+async def _events(ctx: CompletionContext, children: list[Child]) -> AsyncIterator[bytes]:
+    """The chunks of a streamed completion; the last text of a choice carries its finish_reason."""
+    usage = UsageCounter()
+    async for child, out in merge_outputs(children):
+        usage.add(child, out)
+        text, logprobs = _piece(ctx, child, out)
+        if not text and not out.finished and not (logprobs and logprobs.tokens):
+            continue
+        choice = CompletionChoice(
+            index=child.index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
+        yield _chunk(ctx, [choice], usage.usage() if ctx.continuous_usage else None)
+    if ctx.include_usage:
+        yield _chunk(ctx, [], usage.usage())
+
+
+async def _collect(ctx: CompletionContext, children: list[Child]) -> CompletionResponse:
+    usage = UsageCounter()
+    texts: dict[int, list[str]] = {child.index: [] for child in children}
+    logprobs: dict[int, CompletionLogprobs] = {child.index: CompletionLogprobs() for child in children}
+    finish: dict[int, RequestOutput] = {}
+    prompt_logprobs: dict[int, list[dict[str, object] | None] | None] = {}
+    async for child, out in merge_outputs(children):
+        usage.add(child, out)
+        text, piece = _piece(ctx, child, out)
+        texts[child.index].append(text)
+        if piece is not None:
+            _extend(logprobs[child.index], piece)
+        if out.prompt_logprobs is not None and ctx.want_prompt_logprobs:
+            prompt_logprobs[child.index] = prompt_logprobs_json(out.prompt_logprobs)
+        if out.finished:
+            finish[child.index] = out
+    choices = [
+        CompletionChoice(
+            index=index,
+            text="".join(texts[index]),
+            logprobs=logprobs[index] if ctx.logprobs is not None else None,
+            finish_reason=finish[index].finish_reason if index in finish else None,
+            stop_reason=finish[index].stop_reason if index in finish else None,
+            prompt_logprobs=prompt_logprobs.get(index),
+        )
+        for index in sorted(texts)
+    ]
+    return CompletionResponse(
+        id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=usage.usage()
+    )
+
+
+def _extend(into: CompletionLogprobs, piece: CompletionLogprobs) -> None:
+    into.tokens.extend(piece.tokens)
+    into.token_logprobs.extend(piece.token_logprobs)
+    into.top_logprobs.extend(piece.top_logprobs)
+    into.text_offset.extend(piece.text_offset)

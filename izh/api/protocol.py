@@ -1,0 +1,461 @@
+"""OpenAI's request and response bodies (plus vLLM's extensions) as pydantic models.
+
+Requests ignore unknown fields (clients send fields from newer API versions). Types are checked
+here; values (ranges, token ids, lengths) are checked once by SamplingParams and the routes, so
+that every rejection names its field in OpenAI's error envelope.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Annotated, Any, Literal, TypeVar
+
+import pydantic
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+
+from izh.errors import InvalidRequest, IzhError, NotFound, PayloadTooLarge
+
+logger = logging.getLogger(__name__)
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error envelope: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+def error_response(err: IzhError) -> ErrorResponse:
+    return ErrorResponse(
+        error=ErrorInfo(message=err.message, type=err.error_type, param=err.param, code=err.code)
+    )
+
+
+class HTTPStatusError(IzhError):
+    """A plain HTTP error raised by the framework (405, ...) that izh/errors.py has no class for."""
+
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+def to_izh_error(exc: BaseException, request_id: str | None = None) -> IzhError:
+    """THE mapping from any exception to the IzhError that describes it to a client.
+
+    Used by the app's exception handlers and by SSE error events, so a failure reads the same
+    before and after a stream has started. Unexpected exceptions are logged with their traceback
+    and become a 500 that reveals nothing of the internals.
+    """
+    if isinstance(exc, IzhError):
+        return exc
+    if isinstance(exc, RequestValidationError | pydantic.ValidationError):
+        return validation_error_to_invalid_request(exc)
+    if isinstance(exc, HTTPException):
+        if exc.status_code == 404:
+            return NotFound(str(exc.detail) if exc.detail else "not found")
+        return HTTPStatusError(str(exc.detail), exc.status_code)
+    logger.error("[%s] unexpected error", request_id or "-", exc_info=exc)
+    return IzhError("internal server error", code="internal_error")
+
+
+# Pydantic names the union member it tried inside an error's location ("str", "list[ContentPart]",
+# "NamedToolChoice", "function-after[...]"); field names are lowercase identifiers without these.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list|dict|tuple|none|literal|[A-Z].*|.*[\[\-].*)$")
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and _UNION_TAG.match(part) is not None
+
+
+def validation_error_to_invalid_request(exc: pydantic.ValidationError | Any) -> InvalidRequest:
+    """The first pydantic error as a 400 whose param is the field path ("messages.0.role").
+
+    Accepts pydantic's ValidationError and FastAPI's RequestValidationError (both have .errors()).
+    """
+    errors = exc.errors()
+    if not errors:
+        return InvalidRequest("invalid request body")
+    first = errors[0]
+    # FastAPI prefixes the location with "body"; the client knows its own body's field names.
+    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_tag(part)]
+    param = ".".join(loc) or None
+    where = f"{param}: " if param else ""
+    return InvalidRequest(f"{where}{first.get('msg', 'invalid value')}", param=param)
+
+
+# --- reading a body -----------------------------------------------------------------------------
+
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
+
+
+async def read_body(request: Request, max_body_bytes: int) -> bytes:
+    """The request body, refusing (413) as soon as more than max_body_bytes have arrived.
+
+    Content-Length is checked up front by the app's middleware; this counts what actually streams
+    in, so a lying or absent Content-Length (chunked upload) cannot make us buffer without bound.
+    """
+    chunks: list[bytes] = []
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > max_body_bytes:
+            raise PayloadTooLarge(f"request body exceeds the limit of {max_body_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_body(request: Request, model: type[RequestModel], max_body_bytes: int) -> RequestModel:
+    """Read and validate a JSON body: malformed JSON and wrong types are 400s naming the field."""
+    body = await read_body(request, max_body_bytes)
+    if not body.strip():
+        raise InvalidRequest("the request body is empty; expected a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except pydantic.ValidationError as exc:
+        errors = exc.errors()
+        if errors and errors[0]["type"] == "json_invalid":
+            raise InvalidRequest(f"the request body is not valid JSON: {errors[0]['msg']}") from None
+        raise validation_error_to_invalid_request(exc) from None
+
+
+# Ints that cross to the engine core as msgpack must fit in 64 bits; bigger is a 400, not a crash.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
+# --- shared request pieces ------------------------------------------------------------------------
+
+
+class RequestBase(BaseModel):
+    """Unknown fields are ignored, as OpenAI's own server and vLLM do."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(RequestBase):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(RequestBase):
+    """The sampling fields chat and completions share: OpenAI's, then vLLM's extensions."""
+
+    model: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # vLLM's extensions.
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: Int64 = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    priority: Int64 = 0
+    cache_salt: str | None = None
+    prompt_logprobs: int | None = None
+    # Structured outputs come with a later release: accepted by the parser so that we can refuse
+    # them by name (a silently unconstrained answer would be worse than a 400).
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+# --- /v1/completions ----------------------------------------------------------------------------
+
+CompletionPrompt = str | list[int] | list[str] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: CompletionPrompt
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions logprobs shape."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+# --- /v1/chat/completions -----------------------------------------------------------------------
+
+
+class ContentPart(BaseModel):
+    """One typed part of a message's content; only "text" parts are supported for now."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class FunctionCallParam(RequestBase):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallParam(RequestBase):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+class ChatMessageParam(RequestBase):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class FunctionDefinition(RequestBase):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(RequestBase):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoiceFunction(RequestBase):
+    name: str
+
+
+class NamedToolChoice(RequestBase):
+    type: Literal["function"] = "function"
+    function: NamedToolChoiceFunction
+
+
+class ResponseFormat(RequestBase):
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's chat extensions.
+    echo: bool = False
+    add_generation_prompt: bool | None = None
+    """None: true unless continue_final_message."""
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatLogprobEntry] | None = None
+    refusal: list[ChatLogprobEntry] | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """The assistant's answer; `reasoning_content` and `reasoning` carry the same text (both names
+    are in use by clients, see peers.md §2 row 4)."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = []
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+
+
+class DeltaMessage(BaseModel):
+    """A streamed piece of the message: only the keys that carry something are sent."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+# --- /v1/models ---------------------------------------------------------------------------------
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "izh"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# --- /tokenize, /detokenize (vLLM's shapes) ----------------------------------------------------------
+
+
+class TokenizeRequest(RequestBase):
+    """Either `prompt` (a completion prompt) or `messages` (rendered through the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolParam] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(RequestBase):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

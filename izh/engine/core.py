@@ -1,0 +1,212 @@
+"""EngineCore: schedule → run → sample → update, one step at a time (in-process; no I/O)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from izh.config import EngineConfig
+from izh.engine.kv_cache import KVCacheManager
+from izh.engine.model_runner import ModelRunner
+from izh.engine.request import Request, RequestStatus
+from izh.engine.scheduler import Scheduler, SchedulerOutput
+from izh.errors import InvalidRequest
+from izh.protocol import AddRequest, EngineOutput, SchedulerStats, TokenLogprobs
+from izh.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class EngineCore:
+    """Owns the scheduler, the KV cache manager and the model runner of one model."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        progress: Callable[[int, int, str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.runner = ModelRunner(config, progress=progress)
+        self.max_model_len = self.runner.max_model_len
+        self.num_blocks = self.runner.num_blocks
+        self.block_size = self.runner.block_size
+        self.vocab_size = self.runner.vocab_size
+        self.device = str(self.runner.device)
+        self.dtype = str(self.runner.dtype).removeprefix("torch.")
+        self.eos_token_ids = load_tokenizer(config.model).eos_token_ids
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            enable_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            kv_cache_manager=self.kv_cache_manager,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            policy=config.scheduling_policy,
+            block_size=self.block_size,
+        )
+        self._requests: dict[str, Request] = {}
+        self._num_sent: dict[str, int] = {}
+        """How many output tokens of each request were already reported."""
+        self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+        self._queued_ts: dict[str, float] = {}
+        self._scheduled_ts: dict[str, float] = {}
+        self._num_prompt_tokens_computed = 0
+        self._num_generation_tokens = 0
+        self._iteration_tokens: list[int] = []
+        self.last_forward_s = 0.0
+        self.last_step_is_decode = False
+        """Whether the last step was decodes only (one token per request): for benchmarks."""
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def add_request(self, req: AddRequest) -> None:
+        """Queue a request; raises an IzhError (the request fails alone) when it is invalid."""
+        if req.request_id in self._requests:
+            raise InvalidRequest(f"request id {req.request_id!r} is already in use", param="request_id")
+        params = req.sampling_params
+        params.validate(self.vocab_size)
+        if not req.prompt_token_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(
+                f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})", param="prompt"
+            )
+        request = Request(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+        )
+        self.scheduler.add_request(request)
+        self._requests[req.request_id] = request
+        self._num_sent[req.request_id] = 0
+        self._queued_ts[req.request_id] = time.monotonic()
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
+        live = [r for r in request_ids if r in self._requests]
+        aborted = self.scheduler.abort_requests(live)
+        outputs = [self._make_output(r, "abort") for r in aborted]
+        for r in aborted:
+            self._forget(r.request_id)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # --- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[EngineOutput]:
+        """One engine iteration; returns the outputs of requests that got tokens or finished."""
+        sched = self.scheduler.schedule()
+        if sched.total_num_scheduled_tokens == 0:
+            self.runner.remove_requests(sched.finished_request_ids)
+            return []
+        self._mark_scheduled(sched)
+        runner_out = self.runner.execute(sched)
+        self.last_forward_s = runner_out.forward_s
+        self.last_step_is_decode = sched.total_num_scheduled_tokens == len(sched.scheduled)
+        self._iteration_tokens.append(sched.total_num_scheduled_tokens)
+        for s in sched.scheduled:
+            prompt_left = s.request.num_prompt_tokens - s.num_computed_tokens_before
+            self._num_prompt_tokens_computed += max(0, min(prompt_left, s.num_scheduled_tokens))
+        for request_id, entries in runner_out.prompt_logprobs.items():
+            self._prompt_logprobs.setdefault(request_id, []).extend(entries)
+        changed = self.scheduler.update_from_output(sched, runner_out.sampled_token_ids)
+        outputs = []
+        for request in changed:
+            finish_reason = _FINISH_REASONS.get(request.status)
+            outputs.append(
+                self._make_output(request, finish_reason, runner_out.logprobs.get(request.request_id))
+            )
+            if finish_reason is not None:
+                self._forget(request.request_id)
+        return outputs
+
+    def _mark_scheduled(self, sched: SchedulerOutput) -> None:
+        """Record when each request was first scheduled (for the queue and prefill metrics)."""
+        now = time.monotonic()
+        for s in sched.scheduled:
+            self._scheduled_ts.setdefault(s.request.request_id, now)
+
+    def _make_output(
+        self,
+        request: Request,
+        finish_reason: str | None,
+        logprobs: TokenLogprobs | None = None,
+    ) -> EngineOutput:
+        sent = self._num_sent.get(request.request_id, 0)
+        new_token_ids = request.output_token_ids[sent:]
+        self._num_sent[request.request_id] = request.num_output_tokens
+        self._num_generation_tokens += len(new_token_ids)
+        prompt_logprobs = None
+        queued_ts = scheduled_ts = 0.0
+        if sent == 0 and new_token_ids:
+            prompt_logprobs = self._prompt_logprobs.pop(request.request_id, None)
+            queued_ts = self._queued_ts.get(request.request_id, 0.0)
+            scheduled_ts = self._scheduled_ts.get(request.request_id, 0.0)
+        return EngineOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=finish_reason,
+            stop_reason=request.stop_reason,
+            new_logprobs=[logprobs] if logprobs is not None and new_token_ids else None,
+            prompt_logprobs=prompt_logprobs,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+            queued_ts=queued_ts,
+            scheduled_ts=scheduled_ts,
+        )
+
+    def _forget(self, request_id: str) -> None:
+        self.runner.remove_requests([request_id])
+        self._requests.pop(request_id, None)
+        self._num_sent.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
+        self._queued_ts.pop(request_id, None)
+        self._scheduled_ts.pop(request_id, None)
+
+    # --- utilities ------------------------------------------------------------------------------
+
+    def make_stats(self) -> SchedulerStats:
+        s = self.scheduler.make_stats()
+        iteration_tokens, self._iteration_tokens = self._iteration_tokens, []
+        return SchedulerStats(
+            num_running=s["num_running"],
+            num_waiting=s["num_waiting"],
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_blocks=self.num_blocks,
+            prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
+            num_preemptions=s["num_preemptions"],
+            num_steps=s["num_steps"],
+            num_prompt_tokens=self._num_prompt_tokens_computed,
+            num_generation_tokens=self._num_generation_tokens,
+            iteration_tokens=iteration_tokens,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def kv_block_states(self) -> list[int]:
+        return self.kv_cache_manager.block_states()
+
+    def check_invariants(self) -> None:
+        self.kv_cache_manager.check_invariants()
+
+    def shutdown(self) -> None:
+        self.runner.model.bind_kv_caches(None)
+        self.runner.kv_caches.clear()

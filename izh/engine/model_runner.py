@@ -1,0 +1,292 @@
+"""ModelRunner: owns the model, the KV cache tensors and the sampler; runs one scheduled step."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from izh.config import EngineConfig
+from izh.engine.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
+from izh.engine.scheduler import ScheduledRequest, SchedulerOutput
+from izh.errors import ModelLoadError
+from izh.model.attention import AttentionMetadata
+from izh.model.config import ModelConfig
+from izh.model.loader import load_model
+from izh.protocol import TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was asked for but CUDA is not available; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ModelLoadError(f"unknown dtype {name!r}; supported: auto, {', '.join(_DTYPES)}") from None
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory the KV cache may take a fraction of: device memory on GPU, MemAvailable on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """Per-request results of one step, keyed by request id (only requests that sampled)."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    forward_s: float = 0.0
+    """Time spent in the model forward and logits (for the benchmark's step split)."""
+
+
+class ModelRunner:
+    """Flattens a SchedulerOutput into one batch, runs the model once and samples the rows that finish."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        progress: Callable[[int, int, str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        start = time.perf_counter()
+        self.model, self.model_config = load_model(
+            config.model, dtype=self.dtype, device=self.device, progress=progress
+        )
+        self.model.eval()
+        if config.weight_quantization == "int8":
+            from izh.model.quant import quantize_linear_weights_int8
+
+            quantize_linear_weights_int8(self.model)
+        logger.info("model loaded in %.2f s (%s, %s)", time.perf_counter() - start, self.device, self.dtype)
+        self.max_model_len = self._resolve_max_model_len(config, self.model_config)
+        self.block_size = config.block_size
+        self.vocab_size = self.model_config.vocab_size
+        self.num_blocks = self._resolve_num_blocks()
+        self.kv_caches = self._allocate_kv_caches()
+        self.model.bind_kv_caches(self.kv_caches)
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+
+    # --- set-up ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+        model_len = model_config.max_position_embeddings
+        if config.max_model_len is None:
+            return model_len
+        if config.max_model_len > model_len:
+            raise ModelLoadError(
+                f"max_model_len {config.max_model_len} is longer than the model's context "
+                f"({model_len} tokens); lower --max-model-len"
+            )
+        return config.max_model_len
+
+    def kv_bytes_per_block(self) -> int:
+        mc = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * elem
+
+    def _resolve_num_blocks(self) -> int:
+        per_block = self.kv_bytes_per_block()
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            budget = int(available_memory_bytes(self.device) * self.config.kv_cache_memory_fraction)
+        # More blocks than every sequence at full length could use is wasted memory.
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        useful = blocks_per_seq * self.config.max_num_seqs
+        num_blocks = min(budget // per_block, useful)
+        if num_blocks < blocks_per_seq:
+            raise ModelLoadError(
+                f"the KV cache budget ({budget} bytes = {num_blocks} blocks of {self.block_size} tokens) "
+                f"cannot hold one sequence of max_model_len {self.max_model_len} tokens "
+                f"({blocks_per_seq} blocks, {blocks_per_seq * per_block} bytes); raise "
+                "--kv-cache-memory-bytes or lower --max-model-len"
+            )
+        return int(num_blocks)
+
+    def _allocate_kv_caches(self) -> list[torch.Tensor]:
+        mc = self.model_config
+        shape = (2, self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        # Zeroed, not empty: masked-out slots still flow through the attention matmul, and garbage
+        # (NaN) there would poison the result even with a zero weight.
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
+
+    # --- one step -------------------------------------------------------------------------------
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self.remove_requests(sched.finished_request_ids)
+        scheduled = sched.scheduled
+        if not scheduled:
+            return RunnerOutput()
+        input_ids, positions, attn_metadata = self._prepare_inputs(scheduled)
+        sample_rows, prompt_rows = self._select_rows(scheduled, attn_metadata)
+        start = time.perf_counter()
+        hidden = self.model(input_ids, positions, attn_metadata)  # [num_tokens, hidden_size]
+        logits_rows = [i for _, i in sample_rows]
+        for _, token_rows, _ in prompt_rows:
+            logits_rows.extend(token_rows)
+        index = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))  # [len(logits_rows), vocab]
+        forward_s = time.perf_counter() - start
+        out = RunnerOutput(forward_s=forward_s)
+        num_sampled = len(sample_rows)
+        if num_sampled:
+            self._sample(scheduled, sample_rows, logits[:num_sampled], out)
+        self._prompt_logprobs(scheduled, prompt_rows, logits[num_sampled:], out)
+        return out
+
+    def _prepare_inputs(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        num_seqs = len(scheduled)
+        query_lens = np.fromiter((s.num_scheduled_tokens for s in scheduled), np.int64, num_seqs)
+        starts = np.fromiter((s.num_computed_tokens_before for s in scheduled), np.int64, num_seqs)
+        seq_lens = starts + query_lens
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+
+        token_ids: list[int] = []
+        for s in scheduled:
+            start = s.num_computed_tokens_before
+            token_ids.extend(s.request.all_token_ids[start : start + s.num_scheduled_tokens])
+        seq_index = np.repeat(np.arange(num_seqs), query_lens)
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(
+            query_start_loc[:-1] - starts, query_lens
+        )
+
+        max_blocks = max(len(s.block_ids) for s in scheduled)
+        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
+        for i, s in enumerate(scheduled):
+            block_tables[i, : len(s.block_ids)] = s.block_ids
+        slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
+
+        dev = self.device
+        attn_metadata = AttentionMetadata(
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        return input_ids, torch.from_numpy(positions).to(dev), attn_metadata
+
+    @staticmethod
+    def _select_rows(
+        scheduled: list[ScheduledRequest], attn_metadata: AttentionMetadata
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, list[int], list[int]]]]:
+        """Rows whose logits we need: (batch index, token row) that sample, and prompt-logprob rows.
+
+        A prompt row at position p gives the logprob of prompt token p + 1; position 0 has none.
+        """
+        qsl = attn_metadata.query_start_loc.tolist()
+        sample_rows = []
+        prompt_rows = []
+        for i, s in enumerate(scheduled):
+            if s.samples:
+                sample_rows.append((i, qsl[i + 1] - 1))
+            if s.request.sampling_params.prompt_logprobs is None:
+                continue
+            start = s.num_computed_tokens_before
+            num_prompt = s.request.num_prompt_tokens
+            last = min(start + s.num_scheduled_tokens, num_prompt - 1)
+            if start >= last:
+                continue
+            rows = [qsl[i] + (p - start) for p in range(start, last)]
+            targets = s.request.prompt_token_ids[start + 1 : last + 1]
+            prompt_rows.append((i, rows, targets))
+        return sample_rows, prompt_rows
+
+    def _sample(
+        self,
+        scheduled: list[ScheduledRequest],
+        sample_rows: list[tuple[int, int]],
+        logits: torch.Tensor,
+        out: RunnerOutput,
+    ) -> None:
+        rows = []
+        for batch_index, _ in sample_rows:
+            req = scheduled[batch_index].request
+            params = req.sampling_params
+            generator = None
+            if params.seed is not None and not params.is_greedy:
+                generator = self._generators.get(req.request_id)
+                if generator is None:
+                    generator = make_generator(params.seed, self.device)
+                    self._generators[req.request_id] = generator
+            rows.append(
+                SamplingRow(
+                    params=params,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=req.output_token_ids,
+                    eos_token_ids=req.eos_token_ids,
+                    generator=generator,
+                )
+            )
+        metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
+        result = self.sampler(logits, metadata)
+        for k, (batch_index, _) in enumerate(sample_rows):
+            request_id = scheduled[batch_index].request.request_id
+            out.sampled_token_ids[request_id] = [result.sampled_token_ids[k]]
+            if result.logprobs is not None and result.logprobs[k] is not None:
+                out.logprobs[request_id] = result.logprobs[k]  # type: ignore[assignment]
+
+    def _prompt_logprobs(
+        self,
+        scheduled: list[ScheduledRequest],
+        prompt_rows: list[tuple[int, list[int], list[int]]],
+        logits: torch.Tensor,
+        out: RunnerOutput,
+    ) -> None:
+        offset = 0
+        for batch_index, rows, targets in prompt_rows:
+            s = scheduled[batch_index]
+            chunk = logits[offset : offset + len(rows)]
+            offset += len(rows)
+            num_top = s.request.sampling_params.prompt_logprobs or 0
+            entries: list[TokenLogprobs | None] = []
+            if s.num_computed_tokens_before == 0:
+                entries.append(None)  # the first prompt token has no logprob
+            entries.extend(self.sampler.compute_prompt_logprobs(chunk, targets, num_top))
+            out.prompt_logprobs[s.request.request_id] = entries

@@ -1,0 +1,269 @@
+"""LLM: offline, synchronous generation over an in-process EngineCore (mirrors vLLM's `LLM`)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from izh.config import EngineConfig
+from izh.engine.core import EngineCore
+from izh.errors import InvalidRequest
+from izh.frontend.output_processor import OutputProcessor, PositionLogprobs, RequestState
+from izh.protocol import AddRequest
+from izh.sampling_params import SamplingParams
+from izh.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any]
+"""A string, or {"prompt_token_ids": [...]} (optionally with "prompt": the text it came from)."""
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One generated sequence of a request (n > 1 gives several, by index)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The result of one prompt: its ids, and one CompletionOutput per sample."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    finished: bool = False
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts with continuous batching.
+
+    `model` is a registry name ("smollm2"), a .gguf file or a Hugging Face folder; the keyword
+    arguments are EngineConfig fields (dtype, max_model_len, kv_cache_memory_bytes, block_size,
+    max_num_batched_tokens, max_num_seqs, enable_prefix_caching, scheduling_policy, seed, ...).
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2",
+        *,
+        cache_dir: str | Path | None = None,
+        show_progress: bool = True,
+        **engine_kwargs: Any,
+    ) -> None:
+        from izh.hub import default_cache_dir, resolve_model
+
+        cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        self.model_path = str(resolve_model(model, cache))
+        engine_kwargs.setdefault("served_model_name", model)
+        self.config = EngineConfig(model=self.model_path, **engine_kwargs)
+        self.show_progress = show_progress
+        with _progress_bar(show_progress, "loading weights") as progress:
+            self.engine_core = EngineCore(self.config, progress=progress)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self._processor = OutputProcessor(self.tokenizer)
+        self._states: dict[str, RequestState] = {}
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    # --- generation -----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns the outputs in prompt order."""
+        prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        params_list = self._broadcast_params(sampling_params, len(prompt_list))
+        results: dict[str, RequestOutput] = {}
+        children: dict[str, tuple[RequestOutput, int]] = {}
+        try:
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
+                text, token_ids = self._tokenize_prompt(prompt)
+                request_id = str(next(self._counter))
+                results[request_id] = RequestOutput(
+                    request_id=request_id,
+                    prompt=text,
+                    prompt_token_ids=token_ids,
+                    outputs=[CompletionOutput(index=k) for k in range(params.n)],
+                )
+                for k, child_params in enumerate(_child_params(params)):
+                    child_id = request_id if params.n == 1 else f"{request_id}-{k}"
+                    self._add_request(child_id, token_ids, child_params, priority[i] if priority else 0)
+                    children[child_id] = (results[request_id], k)
+        except BaseException:
+            # One bad prompt fails the call; what was already queued must not linger in the engine.
+            self.engine_core.abort_requests(list(children))
+            for child_id in children:
+                self._states.pop(child_id, None)
+            raise
+        self._run(children)
+        return list(results.values())
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template(
+                conversation,  # type: ignore[arg-type]
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                **(chat_template_kwargs or {}),
+            )
+            for conversation in conversations
+        ]
+        # The template already holds the special tokens (BOS included where the model wants it).
+        token_prompts: list[PromptType] = [
+            {"prompt": p, "prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False)}
+            for p in prompts
+        ]
+        return self.generate(token_prompts, sampling_params)
+
+    # --- internals (also used by the offline benchmark) -----------------------------------------
+
+    def _add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
+        self.engine_core.add_request(
+            AddRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling_params=params,
+                arrival_time=time.time(),
+                priority=priority,
+            )
+        )
+        self._states[request_id] = self._processor.make_request_state(
+            request_id, prompt_token_ids, params, arrival_time=time.time()
+        )
+
+    def _run(self, children: dict[str, tuple[RequestOutput, int]]) -> None:
+        total = len(children)
+        done = 0
+        with _progress_bar(self.show_progress and total >= 16, "generating") as progress:
+            while self.engine_core.has_unfinished_requests():
+                for out in self.engine_core.step():
+                    state = self._states.get(out.request_id)
+                    if state is None:
+                        continue
+                    delta = self._processor.process(state, out, time.time())
+                    if delta.finished and out.finish_reason is None:
+                        # A stop string ended it here; the core (which knows no text) must stop too.
+                        self.engine_core.abort_requests([out.request_id])
+                    result, index = children[out.request_id]
+                    _apply_delta(result, result.outputs[index], delta)
+                    if delta.finished:
+                        del self._states[out.request_id]
+                        done += 1
+                        if progress is not None:
+                            progress(done, total, "requests")
+
+    def _drain_finished(self) -> None:
+        """Forget request states whose outputs were consumed outside generate() (benchmarks)."""
+        self._states.clear()
+
+    def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        raise InvalidRequest("a prompt is a string or a dict with 'prompt_token_ids'", param="prompts")
+
+    @staticmethod
+    def _broadcast_params(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(num_prompts)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        params = list(sampling_params)
+        if len(params) != num_prompts:
+            raise InvalidRequest(
+                f"got {len(params)} sampling params for {num_prompts} prompts", param="sampling_params"
+            )
+        return params
+
+
+def _child_params(params: SamplingParams) -> list[SamplingParams]:
+    """n > 1 becomes n requests of n = 1; seeded children get distinct seeds (seed + index)."""
+    if params.n == 1:
+        return [params]
+    children = []
+    for k in range(params.n):
+        child = params.clone()
+        child.n = 1
+        if child.seed is not None:
+            child.seed = child.seed + k
+        children.append(child)
+    return children
+
+
+def _apply_delta(result: RequestOutput, completion: CompletionOutput, delta: Any) -> None:
+    completion.text += delta.text
+    completion.token_ids.extend(delta.token_ids)
+    if delta.logprobs is not None:
+        completion.logprobs = (completion.logprobs or []) + delta.logprobs
+    if delta.prompt_logprobs is not None:
+        result.prompt_logprobs = delta.prompt_logprobs
+    result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
+    if delta.finished:
+        completion.finish_reason = delta.finish_reason
+        completion.stop_reason = delta.stop_reason
+        result.finished = all(c.finish_reason is not None for c in result.outputs)
+
+
+@contextmanager
+def _progress_bar(enabled: bool, description: str) -> Iterator[Callable[[int, int, str], None] | None]:
+    """A transient Rich progress bar on stderr, fed by (done, total, detail) callbacks."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int, _detail: str) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update

@@ -1,0 +1,346 @@
+"""The OpenAI request/response models: what the official client sends parses, bad input is a 400
+that names its field, and the one exception mapping gives every error its status and envelope."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+
+from izh.api.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatStreamChoice,
+    CompletionRequest,
+    DeltaMessage,
+    parse_body,
+    to_izh_error,
+)
+from izh.api.serving import build_sampling_params, resolve_max_tokens, sampling_defaults
+from izh.errors import ContextLengthExceeded, InvalidRequest, IzhError, ModelNotFound, PayloadTooLarge
+
+# --- what the official client sends -------------------------------------------------------------
+
+
+def _captured_bodies(call: Any) -> list[dict[str, Any]]:
+    """The JSON bodies the openai client sends for `call(client)`, answered with a canned reply."""
+    bodies: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(
+            400, json={"error": {"message": "captured", "type": "x", "param": None, "code": None}}
+        )
+
+    client = openai.OpenAI(
+        api_key="k",
+        base_url="http://test/v1",
+        max_retries=0,
+        http_client=httpx.Client(transport=httpx.MockTransport(handler)),
+    )
+    with pytest.raises(openai.BadRequestError):
+        call(client)
+    return bodies
+
+
+def test_chat_request_accepts_what_the_openai_client_sends() -> None:
+    bodies = _captured_bodies(
+        lambda c: c.chat.completions.create(
+            model="m",
+            messages=[
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}],
+                },
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": '{"x": 1}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+            ],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            tool_choice="auto",
+            logprobs=True,
+            top_logprobs=3,
+            logit_bias={"50": -100},
+            max_completion_tokens=7,
+            stream=True,
+            stream_options={"include_usage": True},
+            seed=3,
+            stop=["\n"],
+            store=False,
+            metadata={"k": "v"},
+            extra_body={"top_k": 5, "chat_template_kwargs": {"enable_thinking": False}},
+        )
+    )
+    body = ChatCompletionRequest.model_validate(bodies[0])
+    assert [m.role for m in body.messages] == ["developer", "user", "assistant", "tool"]
+    assert body.messages[2].tool_calls is not None and body.messages[2].tool_calls[0].function.name == "f"
+    assert body.top_logprobs == 3 and body.logprobs and body.max_completion_tokens == 7
+    assert body.stream and body.stream_options is not None and body.stream_options.include_usage
+    assert body.top_k == 5 and body.chat_template_kwargs == {"enable_thinking": False}
+    assert body.logit_bias == {"50": -100}
+
+
+def test_completion_request_accepts_every_prompt_shape() -> None:
+    for prompt in ("text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]):
+        bodies = _captured_bodies(
+            lambda c, p=prompt: c.completions.create(model="m", prompt=p, n=2, echo=True, logprobs=2)
+        )
+        body = CompletionRequest.model_validate(bodies[0])
+        assert body.prompt == prompt and body.n == 2 and body.echo and body.logprobs == 2
+    assert CompletionRequest.model_validate({"prompt": "x"}).max_tokens == 16
+
+
+# --- bad bodies are 400s naming the field ---------------------------------------------------------
+
+
+def _request(body: bytes) -> Request:
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+
+
+def _parse(body: bytes | dict[str, Any], model: Any = ChatCompletionRequest, limit: int = 1 << 20) -> Any:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return asyncio.run(parse_body(_request(raw), model, limit))
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": "hello"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": [1]}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": "perhaps"}, "stream"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": "big"}}, "logit_bias.1"),
+    ],
+)
+def test_wrong_types_are_invalid_requests_naming_the_field(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        _parse(body)
+    assert info.value.status_code == 400 and info.value.param == param
+
+
+def test_malformed_json_empty_and_oversized_bodies() -> None:
+    with pytest.raises(InvalidRequest, match="not valid JSON"):
+        _parse(b'{"messages": [')
+    with pytest.raises(InvalidRequest, match="empty"):
+        _parse(b"  ")
+    with pytest.raises(PayloadTooLarge) as info:
+        _parse({"messages": [{"role": "user", "content": "x" * 100}]}, limit=50)
+    assert info.value.status_code == 413
+
+
+def test_unknown_fields_are_ignored() -> None:
+    body = _parse({"messages": [{"role": "user", "content": "x", "extra": 1}], "service_tier": "auto"})
+    assert body.messages[0].content == "x"
+
+
+# --- the one mapping ----------------------------------------------------------------------------------
+
+
+def test_to_izh_error_maps_every_kind_of_exception() -> None:
+    izh = ModelNotFound("no such model", param="model")
+    assert to_izh_error(izh) is izh
+    validation = to_izh_error(
+        RequestValidationError([{"loc": ("body", "n"), "msg": "bad", "type": "int_parsing"}])
+    )
+    assert (validation.status_code, validation.param) == (400, "n")
+    assert to_izh_error(HTTPException(404)).status_code == 404
+    method = to_izh_error(HTTPException(405, "Method Not Allowed"))
+    assert (method.status_code, method.error_type) == (405, "invalid_request_error")
+    unexpected = to_izh_error(RuntimeError("secret internals"))
+    assert unexpected.status_code == 500 and "secret" not in unexpected.message
+    assert set(unexpected.to_dict()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_stream_delta_sends_only_what_it_carries() -> None:
+    chunk = ChatCompletionChunk(
+        id="c",
+        created=1,
+        model="m",
+        choices=[ChatStreamChoice(index=0, delta=DeltaMessage(content="hi"))],
+    )
+    data = json.loads(chunk.model_dump_json())
+    assert data["choices"][0] == {
+        "index": 0,
+        "delta": {"content": "hi"},
+        "logprobs": None,
+        "finish_reason": None,
+        "stop_reason": None,
+    }
+    assert data["object"] == "chat.completion.chunk" and data["usage"] is None
+    assert json.loads(DeltaMessage(role="assistant", content="").model_dump_json()) == {
+        "role": "assistant",
+        "content": "",
+    }
+
+
+# --- sampling params and defaults --------------------------------------------------------------------
+
+
+def test_generation_config_gives_defaults_the_request_overrides() -> None:
+    defaults = sampling_defaults(
+        {"temperature": 0.6, "top_k": 20, "max_new_tokens": 99, "do_sample": True, "top_p": "x"}
+    )
+    assert defaults == {"temperature": 0.6, "top_k": 20, "max_tokens": 99}
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "top_k": 5, "logit_bias": {"7": 1.5}, "stop": "END"}
+    )
+    params = build_sampling_params(body, defaults, max_tokens=10, logprobs=None, prompt_logprobs=None)
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.6, 5, 10)
+    assert params.logit_bias == {7: 1.5} and params.stop == ["END"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("n", 0),
+        ("n", 10**9),
+        ("seed", 2**70),
+        ("logit_bias", {"x": 1}),
+    ],
+)
+def test_bad_sampling_values_name_their_field(field: str, value: Any) -> None:
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], field: value}
+    )
+    with pytest.raises(InvalidRequest) as info:
+        build_sampling_params(body, {}, max_tokens=10, logprobs=None, prompt_logprobs=None)
+    assert info.value.param == field
+
+
+def test_max_tokens_fits_the_context_or_says_the_numbers() -> None:
+    common: dict[str, Any] = {"num_prompt_tokens": 90, "max_model_len": 100, "param": "messages"}
+    assert resolve_max_tokens(None, explicit=False, default=None, **common) == 10
+    assert resolve_max_tokens(None, explicit=False, default=4, **common) == 4
+    assert resolve_max_tokens(16, explicit=False, default=None, **common) == 10  # a default clamps
+    assert resolve_max_tokens(10, explicit=True, default=None, **common) == 10
+    with pytest.raises(ContextLengthExceeded) as info:
+        resolve_max_tokens(11, explicit=True, default=None, **common)
+    assert (
+        info.value.code == "context_length_exceeded"
+        and "100" in info.value.message
+        and "101" in info.value.message
+    )
+    with pytest.raises(ContextLengthExceeded, match="100 tokens"):
+        resolve_max_tokens(
+            None, explicit=False, default=None, num_prompt_tokens=100, max_model_len=100, param="prompt"
+        )
+    # A negative count is not a context problem: SamplingParams rejects it by name.
+    assert resolve_max_tokens(-1, explicit=True, default=None, **common) == -1
+
+
+def test_izh_error_envelope_has_the_openai_shape() -> None:
+    err = IzhError("boom")
+    assert err.to_dict() == {
+        "error": {"message": "boom", "type": "internal_error", "param": None, "code": None}
+    }
+
+
+# --- the request guard middleware ---------------------------------------------------------------------
+
+
+def _guarded(app: Any, **kwargs: Any) -> httpx.AsyncClient:
+    from izh.api.app import RequestGuardMiddleware
+
+    options: dict[str, Any] = {"api_keys": [], "public_paths": frozenset({"/health"}), "max_body_bytes": 100}
+    guard = RequestGuardMiddleware(app, **{**options, **kwargs})
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://t")
+
+
+async def _echo_request_id(scope: Any, receive: Any, send: Any) -> None:
+    body = json.dumps({"request_id": scope["state"]["request_id"]}).encode()
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def test_guard_turns_an_escaped_exception_into_a_500_envelope() -> None:
+    async def broken(scope: Any, receive: Any, send: Any) -> None:
+        raise RuntimeError("database password is hunter2")
+
+    async def body() -> httpx.Response:
+        async with _guarded(broken) as client:
+            return await client.get("/x")
+
+    reply = asyncio.run(body())
+    assert reply.status_code == 500 and reply.headers["x-request-id"]
+    assert reply.json()["error"]["type"] == "internal_error" and "hunter2" not in reply.text
+
+
+def test_guard_request_ids_are_echoed_sanitized_and_unique_inside() -> None:
+    async def body() -> list[httpx.Response]:
+        async with _guarded(_echo_request_id) as client:
+            return [
+                await client.get("/x", headers={"X-Request-Id": "trace 42<script>"}),
+                await client.get("/x", headers={"X-Request-Id": "trace 42<script>"}),
+                await client.get("/x", headers={"X-Request-Id": "a" * 500}),
+                await client.get("/x"),
+            ]
+
+    same1, same2, long, made = asyncio.run(body())
+    assert same1.headers["x-request-id"] == same2.headers["x-request-id"] == "trace42script"
+    internal1, internal2 = same1.json()["request_id"], same2.json()["request_id"]
+    assert internal1.startswith("trace42script-") and internal1 != internal2
+    assert long.headers["x-request-id"] == "a" * 64
+    assert made.headers["x-request-id"] == made.json()["request_id"]
+
+
+def test_guard_checks_keys_and_declared_body_size() -> None:
+    async def body() -> dict[str, httpx.Response]:
+        async with _guarded(_echo_request_id, api_keys=["k1", "k2"]) as client:
+            return {
+                "missing": await client.get("/x"),
+                "wrong": await client.get("/x", headers={"Authorization": "Bearer k3"}),
+                "basic": await client.get("/x", headers={"Authorization": "Basic k1"}),
+                "bearer": await client.get("/x", headers={"Authorization": "Bearer k2"}),
+                "x-api-key": await client.get("/x", headers={"x-api-key": "k1"}),
+                "public": await client.get("/health"),
+                "too-big": await client.post("/x", content=b"x" * 101, headers={"x-api-key": "k1"}),
+            }
+
+    replies = asyncio.run(body())
+    assert (
+        replies["missing"].status_code == 401 and replies["missing"].headers["www-authenticate"] == "Bearer"
+    )
+    assert replies["missing"].json()["error"]["code"] == "missing_api_key"
+    assert replies["wrong"].json()["error"] == {
+        "message": "Invalid API key",
+        "type": "authentication_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
+    assert replies["basic"].status_code == 401
+    assert (
+        replies["bearer"].status_code
+        == replies["x-api-key"].status_code
+        == replies["public"].status_code
+        == 200
+    )
+    assert replies["too-big"].status_code == 413
