@@ -130,7 +130,6 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--weight-quantization", default="none", choices=["none", "int8"])
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (izh only)")
     ap.add_argument("--hf-max-batch", type=int, default=32, help="largest batch run through transformers")
     ap.add_argument("--out", default=None, help="result JSON path (default bench_results/...)")
@@ -147,7 +146,6 @@ def main() -> None:
         max_num_seqs=max(batch_sizes),
         max_num_batched_tokens=max(2048, args.input_len),
         kv_cache_memory_bytes=None,
-        weight_quantization=args.weight_quantization,
         enable_prefix_caching=False,
     )
     load_s = time.perf_counter() - t0
@@ -182,7 +180,6 @@ def main() -> None:
         "machine": machine_info(),
         "model": args.model,
         "dtype": args.dtype,
-        "weight_quantization": args.weight_quantization,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "load_s": load_s,

@@ -33,5 +33,3 @@ class EngineConfig:
     """torch intra-op threads on CPU; None keeps torch's default."""
     enforce_eager: bool = False
     """Disable CUDA graphs."""
-    weight_quantization: str = "none"
-    """none | int8: weight-only int8 matmuls (CPU speed-up)."""

@@ -167,9 +167,6 @@ class ModelSettings(_Section):
         default_factory=lambda: Path(DEFAULT_CACHE_DIR).expanduser(),
         description="Folder where pulled models are stored (models/ inside it). Also IZH_CACHE_DIR.",
     )
-    weight_quantization: Annotated[Literal["none", "int8"], CaseInsensitive] = Field(
-        default="none", description="Weight-only quantization at load time; int8 speeds up CPU matmuls."
-    )
 
     @field_validator("cache_dir")
     @classmethod
@@ -341,7 +338,6 @@ class IzhSettings(BaseSettings):
             seed=engine.seed,
             num_threads=engine.num_threads,
             enforce_eager=engine.enforce_eager,
-            weight_quantization=model.weight_quantization,
         )
 
     @property

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from izh import __version__
-from izh_cli import config_cmd, pull
+from izh_cli import config_cmd, pull, serve
 
 app = typer.Typer(
     name="izh",
@@ -37,6 +37,7 @@ def _root(
 
 
 # Commands, one module each.
+app.command("serve")(serve.serve)
 app.command("pull")(pull.pull)
 app.add_typer(config_cmd.config_app, name="config")
 

@@ -86,10 +86,6 @@ class ModelRunner:
             config.model, dtype=self.dtype, device=self.device, progress=progress
         )
         self.model.eval()
-        if config.weight_quantization == "int8":
-            from izh.model.quant import quantize_linear_weights_int8
-
-            quantize_linear_weights_int8(self.model)
         logger.info("model loaded in %.2f s (%s, %s)", time.perf_counter() - start, self.device, self.dtype)
         self.max_model_len = self._resolve_max_model_len(config, self.model_config)
         self.block_size = config.block_size

@@ -314,7 +314,6 @@ def test_to_engine_config_maps_every_field() -> None:
         "model.dtype": "bfloat16",
         "model.device": "cpu",
         "model.max_model_len": 512,
-        "model.weight_quantization": "int8",
         "engine.block_size": 32,
         "engine.kv_cache_memory_bytes": "1MiB",
         "engine.kv_cache_memory_fraction": 0.5,
@@ -343,7 +342,6 @@ def test_to_engine_config_maps_every_field() -> None:
         seed=42,
         num_threads=2,
         enforce_eager=True,
-        weight_quantization="int8",
     )
     # No EngineConfig field may keep its default silently: each one differs from it above.
     defaults = EngineConfig(model="/models/x.gguf")

@@ -1,0 +1,283 @@
+"""Grammar-constrained decoding: one llguidance matcher per request, batched token bitmasks.
+
+Grammars compile in a worker thread, off the engine's hot path; the scheduler holds a request whose
+grammar is still compiling (`is_ready`). Each step the engine fills one bitmask row per sampling
+row (`fill_bitmask`), the sampler masks the logits with it (`apply_bitmask`), and the sampled token
+advances the request's matcher (`accept_tokens`).
+
+EOS follows the grammar: while the grammar is incomplete EOS is masked; once it is complete EOS is
+allowed (and is the only token allowed when the grammar cannot go on). A grammar that cannot go
+on is `is_terminated`: the request finishes with "stop" without needing the EOS step. A matcher
+error (a token the grammar rejects, a grammar llguidance cannot build) fails that request alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import OrderedDict
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import llguidance
+import torch
+
+from izh.guided_spec import SpecKey, build_ll_tokenizer, compile_grammar, spec_key
+from izh.sampling_params import StructuredOutputsParams
+from izh.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GrammarManager", "apply_bitmask", "bitmask_words"]
+
+_NEG_INF = float("-inf")
+# Short errors: the verbose ones dump the parser state and the whole grammar into the message.
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+# The unpacking below reads each int32 word as 4 bytes, lowest byte first.
+assert sys.byteorder == "little", "grammar bitmasks assume a little-endian host"
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per bitmask row: one bit per token id, id i in word i // 32, bit i % 32."""
+    return (vocab_size + 31) // 32
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set to -inf, in place, every logit whose bit is 0 in `bitmask` [num_rows, words] int32.
+
+    Logit columns past the bitmask's width are disallowed too. Written in plain torch rather than
+    llguidance.torch's helper, which goes through torch.compile on first use (a compile stall on
+    the hot path, and a C++ toolchain on CPU hosts).
+    """
+    num_rows, vocab_size = logits.shape
+    if bitmask.shape[0] != num_rows:
+        raise ValueError(f"bitmask has {bitmask.shape[0]} rows for {num_rows} logit rows")
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    as_bytes = bitmask.contiguous().view(torch.uint8)  # [num_rows, words * 4]
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    bits = (as_bytes.unsqueeze(-1) >> shifts) & 1  # [num_rows, words * 4, 8]
+    allowed = bits.view(num_rows, -1)[:, :vocab_size].bool()  # [num_rows, <= vocab_size]
+    if allowed.shape[1] < vocab_size:
+        logits[:, allowed.shape[1] :] = _NEG_INF
+        logits = logits[:, : allowed.shape[1]]
+    logits.masked_fill_(~allowed, _NEG_INF)
+    return logits
+
+
+@dataclass(slots=True)
+class _GuidedRequest:
+    """One request's grammar: the compiled template while compiling, then its own matcher."""
+
+    compiled: Future[llguidance.LLMatcher]
+    matcher: llguidance.LLMatcher | None = None
+    compile_error: str | None = None
+
+
+class GrammarManager:
+    """The engine's structured-output state: compiled grammars (LRU by spec) and request matchers.
+
+    Called from the engine thread only; the worker thread only compiles. Requests never added (or
+    already removed) have no grammar: they are ready, never terminated, accept every token.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        *,
+        max_num_rows: int = 256,
+        cache_size: int = 128,
+        executor: Executor | None = None,
+    ) -> None:
+        """`vocab_size` is the logits width (it may exceed the tokenizer's vocabulary; the extra
+        ids are never allowed). `executor` compiles grammars; by default one worker thread."""
+        self.vocab_size = vocab_size
+        self.cache_size = cache_size
+        self.ll_tokenizer = build_ll_tokenizer(tokenizer, vocab_size)
+        self._owns_executor = executor is None
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="izh-grammar")
+        self._mask_executor = llguidance.LLExecutor()
+        self._compiled: OrderedDict[SpecKey, Future[llguidance.LLMatcher]] = OrderedDict()
+        self._requests: dict[str, _GuidedRequest] = {}
+        self._bitmask = _allocate_bitmask(max_num_rows, bitmask_words(vocab_size))
+
+    # ---- request lifecycle -----------------------------------------------------------------
+
+    def add_request(self, request_id: str, spec: StructuredOutputsParams) -> None:
+        """Start (or reuse) the compilation of `spec`'s grammar for `request_id`; returns at once."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id} already has a grammar")
+        self._requests[request_id] = _GuidedRequest(self._compile_async(spec))
+
+    def is_ready(self, request_id: str) -> bool:
+        """Whether the request's grammar is compiled (always true for a request without one)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return True
+        if state.matcher is None and state.compile_error is None and not state.compiled.done():
+            return False
+        self._materialize(state)
+        return True
+
+    def remove(self, request_id: str) -> None:
+        """Forget the request's matcher (finished, aborted or failed); unknown ids are ignored."""
+        self._requests.pop(request_id, None)
+
+    def has_grammar(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_cached_grammars(self) -> int:
+        return len(self._compiled)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def fill_bitmask(self, request_ids: list[str | None]) -> torch.Tensor | None:
+        """The bitmask [len(request_ids), words] int32 (CPU) for one batch of sampling rows.
+
+        Row i constrains request_ids[i]; a None row allows every token. None when no row has a
+        grammar. The tensor is a view of a reused buffer, valid until the next call. A row whose
+        grammar is still compiling waits for it (the scheduler should hold such requests).
+        Raises KeyError for an id that was never added: a silently unconstrained row would be
+        the worst failure.
+        """
+        if all(request_id is None for request_id in request_ids):
+            return None
+        bitmask = self._bitmask_rows(len(request_ids))
+        bitmask.fill_(-1)
+        rows: list[tuple[llguidance.LLMatcher, int]] = []
+        for row, request_id in enumerate(request_ids):
+            if request_id is None:
+                continue
+            matcher = self._matcher(request_id)
+            if matcher is None:
+                self._fill_eos_only(bitmask[row])
+            else:
+                rows.append((matcher, row))
+        if rows:
+            words = bitmask.shape[1]
+            self._mask_executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, len(request_ids))
+        return bitmask
+
+    @staticmethod
+    def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """The module's `apply_bitmask`, for callers that hold a GrammarManager."""
+        return apply_bitmask(logits, bitmask)
+
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
+        """Advance the request's matcher over `token_ids`; False when the grammar rejects one
+        (then `error` says why and the request must fail). Tokens after the grammar's end
+        (the final EOS) are ignored."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return True
+        matcher = self._ready_matcher(state)
+        if matcher is None or matcher.is_error():
+            return False
+        for token_id in token_ids:
+            if matcher.is_stopped():
+                break
+            if not matcher.consume_token(token_id):
+                logger.warning(
+                    "request %s: grammar rejected token %d: %s", request_id, token_id, matcher.get_error()
+                )
+                return False
+        return True
+
+    def is_terminated(self, request_id: str) -> bool:
+        """Whether the grammar has reached its end: nothing but EOS may follow, so the request is done."""
+        state = self._requests.get(request_id)
+        if state is None or not self.is_ready(request_id) or state.matcher is None:
+            return False
+        return state.matcher.is_stopped() and not state.matcher.is_error()
+
+    def error(self, request_id: str) -> str | None:
+        """Why the request's grammar failed (compilation or a rejected token), or None."""
+        state = self._requests.get(request_id)
+        if state is None or not self.is_ready(request_id):
+            return None
+        if state.compile_error is not None:
+            return state.compile_error
+        assert state.matcher is not None
+        return state.matcher.get_error() or None
+
+    # ---- housekeeping -----------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """The grammar cache stays within its size; every materialized request has one outcome."""
+        assert len(self._compiled) <= self.cache_size, (len(self._compiled), self.cache_size)
+        for request_id, state in self._requests.items():
+            assert state.matcher is None or state.compile_error is None, request_id
+
+    def shutdown(self) -> None:
+        """Stop the compile thread (pending compilations are dropped)."""
+        if self._owns_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _compile_async(self, spec: StructuredOutputsParams) -> Future[llguidance.LLMatcher]:
+        key = spec_key(spec)
+        future = self._compiled.get(key)
+        if future is not None and not future.cancelled():
+            self._compiled.move_to_end(key)
+            return future
+        future = self._executor.submit(self._compile, spec)
+        self._compiled[key] = future
+        while len(self._compiled) > self.cache_size:
+            self._compiled.popitem(last=False)
+        return future
+
+    def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """The template matcher of `spec` (never advanced; requests get deep copies). Runs in the
+        worker thread. A grammar error leaves the matcher in its error state rather than raising."""
+        return llguidance.LLMatcher(self.ll_tokenizer, compile_grammar(spec), log_level=0, limits=_LIMITS)
+
+    def _materialize(self, state: _GuidedRequest) -> None:
+        """Give a request whose grammar is compiled its own matcher (or its compile error)."""
+        if state.matcher is not None or state.compile_error is not None:
+            return
+        try:
+            template = state.compiled.result()
+        except Exception as exc:  # InvalidRequest from compile_grammar, or an llguidance failure
+            state.compile_error = f"grammar compilation failed: {exc}"
+            return
+        state.matcher = template.deep_copy()
+
+    def _ready_matcher(self, state: _GuidedRequest) -> llguidance.LLMatcher | None:
+        """The request's matcher, waiting for its compilation if need be; None if that failed."""
+        self._materialize(state)
+        return state.matcher
+
+    def _fill_eos_only(self, row: torch.Tensor) -> None:
+        # A failed request samples once more before the engine fails it: never from an empty mask.
+        row.zero_()
+        for token_id in self.ll_tokenizer.eos_tokens:
+            row[token_id // 32] |= _bit(token_id % 32)
+
+    def _matcher(self, request_id: str) -> llguidance.LLMatcher | None:
+        state = self._requests.get(request_id)
+        if state is None:
+            raise KeyError(f"request {request_id} has no grammar; call add_request first")
+        return self._ready_matcher(state)
+
+    def _bitmask_rows(self, num_rows: int) -> torch.Tensor:
+        if num_rows > self._bitmask.shape[0]:
+            self._bitmask = _allocate_bitmask(num_rows, self._bitmask.shape[1])
+        return self._bitmask[:num_rows]
+
+
+def _allocate_bitmask(num_rows: int, words: int) -> torch.Tensor:
+    # Pinned when a GPU is present, so the host-to-device copy in apply_bitmask is asynchronous.
+    # Reusing the buffer next step is safe: reading the sampled tokens synchronizes the stream.
+    pin = torch.cuda.is_available()
+    return torch.full((num_rows, words), -1, dtype=torch.int32, pin_memory=pin)  # [num_rows, words]
+
+
+def _bit(index: int) -> int:
+    """The int32 word with only bit `index` set (bit 31 is the sign bit)."""
+    return -(2**31) if index == 31 else 1 << index

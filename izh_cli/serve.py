@@ -1,0 +1,236 @@
+"""`izh serve`: the OpenAI-compatible server (engine core in its own process) under uvicorn.
+
+Lifecycle: SIGTERM/SIGINT → stop admitting (503, /ready red), let in-flight requests finish for up to
+server.drain_timeout_s, fail the rest, stop the core, exit 0; a second signal exits at once. If the
+engine core dies, in-flight requests get an error, /health answers 503 and the process exits 1 so that
+a supervisor (systemd) restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from izh_cli._common import ConfigOption, cli_errors, load_cli_settings, stderr_console, transfer_progress
+from izh_cli._common import with_settings_flags as _with_settings_flags
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
+
+    from izh.config import EngineConfig
+    from izh.frontend.async_llm import AsyncLLM
+    from izh.settings import IzhSettings
+
+logger = logging.getLogger("izh.serve")
+
+EXIT_ENGINE_DEAD = 1
+
+
+@_with_settings_flags
+def serve(
+    model: Annotated[
+        str | None,
+        typer.Argument(
+            help="Model: a registry name (smollm2), a .gguf file or a Hugging Face folder. "
+            "Default: model.name from the settings (smollm2).",
+            show_default=False,
+        ),
+    ] = None,
+    config: ConfigOption = None,
+    *,
+    settings_overrides: dict[str, Any],
+) -> None:
+    """Serve a model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, ...)."""
+    settings = load_cli_settings(config, settings_overrides, model=model)
+    configure_logging(settings.logging.level, settings.logging.json_format)
+    from izh.hub import resolve_model
+
+    with cli_errors():
+        with transfer_progress() as progress:
+            path = resolve_model(
+                settings.model.name, settings.model.cache_dir, download=True, progress=progress
+            )
+        engine_config = settings.to_engine_config(str(path))
+        code = asyncio.run(_serve(settings, engine_config))
+    raise typer.Exit(code)
+
+
+async def _serve(settings: IzhSettings, engine_config: EngineConfig) -> int:
+    from izh.frontend.async_llm import AsyncLLM
+
+    server_settings = settings.server
+    console = stderr_console()
+    with console.status(f"[bold]loading {engine_config.model}[/] (engine core starting)..."):
+        llm = await AsyncLLM.start(
+            engine_config,
+            core_mode=settings.engine.core_mode,
+            max_requests_in_flight=server_settings.max_requests_in_flight,
+            max_waiting_requests=server_settings.max_waiting_requests,
+            request_timeout_s=server_settings.request_timeout_s,
+            heartbeat_timeout_s=server_settings.engine_heartbeat_timeout_s,
+        )
+    try:
+        app = _build_app(llm, settings)
+        server = _make_server(_uvicorn_config(app, settings), app, llm, server_settings.drain_timeout_s)
+        ready = llm.ready
+        console.print(
+            f"[bold green]izh[/] serving [bold]{llm.model_name}[/] on "
+            f"http://{server_settings.host}:{server_settings.port}/v1 "
+            f"({ready.device}, {ready.dtype}, max_model_len {ready.max_model_len}, "
+            f"{ready.num_blocks} KV blocks of {ready.block_size})",
+            highlight=False,
+        )
+        await server.serve()
+    finally:
+        await llm.shutdown(0)
+    if llm.is_dead and not server.stopping:
+        console.print(f"[bold red]Error:[/] the engine core died: {llm.dead_reason}", highlight=False)
+        return EXIT_ENGINE_DEAD
+    return 0
+
+
+def _build_app(llm: AsyncLLM, settings: IzhSettings) -> FastAPI:
+    from izh.api.app import build_app
+
+    s = settings.server
+    return build_app(
+        llm,
+        api_keys=sorted(s.api_key_values()),
+        allowed_origins=s.allowed_origins,
+        metrics_require_auth=s.metrics_require_auth,
+        max_body_bytes=s.max_body_bytes,
+        sse_keepalive_s=s.sse_keepalive_s,
+        reasoning_parser=s.reasoning_parser,
+        default_request_timeout_s=s.request_timeout_s,
+    )
+
+
+def _uvicorn_config(app: FastAPI, settings: IzhSettings) -> uvicorn.Config:
+    import uvicorn
+
+    s = settings.server
+    return uvicorn.Config(
+        app,
+        host=s.host,
+        port=s.port,
+        log_config=None,  # our logging set-up stays in charge
+        access_log=settings.logging.level == "debug",
+        timeout_graceful_shutdown=int(s.drain_timeout_s) + 5,
+        lifespan="on",
+    )
+
+
+def _make_server(config: uvicorn.Config, app: FastAPI, llm: AsyncLLM, drain_timeout_s: float) -> Any:
+    import uvicorn  # here, not at module level: `izh --help` must not import the server stack
+
+    class Server(uvicorn.Server):
+        """uvicorn.Server with izh's signal handling: drain first, then stop; exit 0, not re-raise."""
+
+        def __init__(self, config: uvicorn.Config, app: Any, llm: AsyncLLM, drain_timeout_s: float) -> None:
+            super().__init__(config)
+            self.app = app
+            self.llm = llm
+            self.drain_timeout_s = drain_timeout_s
+            self.stopping = False
+            self._tasks: set[asyncio.Task[None]] = set()
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+            self._spawn(self._watch_engine())
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+                for task in self._tasks:
+                    task.cancel()
+
+        def _spawn(self, coro: Any) -> None:
+            task = asyncio.ensure_future(coro)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        def _on_signal(self, sig: int) -> None:
+            if self.stopping:
+                logger.warning("second %s: exiting now", signal.Signals(sig).name)
+                self.should_exit = self.force_exit = True
+                return
+            self.stopping = True
+            logger.info(
+                "%s: draining (no new requests; up to %.0f s for in-flight ones)",
+                signal.Signals(sig).name,
+                self.drain_timeout_s,
+            )
+            self.app.state.draining = True
+            self._spawn(self._drain())
+
+        async def _drain(self) -> None:
+            try:
+                await self.llm.shutdown(self.drain_timeout_s)
+            finally:
+                self.should_exit = True
+
+        async def _watch_engine(self) -> None:
+            # The client's watchdog notices a dead or hung core; we only turn that into an exit.
+            while not self.llm.is_dead:
+                await asyncio.sleep(0.25)
+            if self.stopping:
+                return
+            logger.error("engine core died (%s); shutting down", self.llm.dead_reason)
+            await asyncio.sleep(0.5)  # let failing streams send their error event and [DONE]
+            self.should_exit = True
+
+    return Server(config, app, llm, drain_timeout_s)
+
+
+def configure_logging(level: str, json_format: bool) -> None:
+    """Root logging on stderr: plain lines, or one JSON object per line."""
+    import json
+    import sys
+    import time
+
+    class JsonFormatter(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            entry: dict[str, Any] = {
+                "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+                + f".{int(record.msecs):03d}Z",
+                "level": record.levelname.lower(),
+                "logger": record.name,
+                "message": record.getMessage(),
+            }
+            for key in (
+                "request_id",
+                "key_id",
+                "status",
+                "prompt_tokens",
+                "completion_tokens",
+                "finish_reason",
+            ):
+                if hasattr(record, key):
+                    entry[key] = getattr(record, key)
+            if record.exc_info:
+                entry["exc"] = self.formatException(record.exc_info)
+            return json.dumps(entry, ensure_ascii=False)
+
+    handler = logging.StreamHandler(sys.stderr)
+    if json_format:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
