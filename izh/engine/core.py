@@ -7,11 +7,13 @@ import time
 from collections.abc import Callable
 
 from izh.config import EngineConfig
+from izh.engine.guided import GrammarManager
 from izh.engine.kv_cache import KVCacheManager
 from izh.engine.model_runner import ModelRunner
 from izh.engine.request import Request, RequestStatus
 from izh.engine.scheduler import Scheduler, SchedulerOutput
 from izh.errors import InvalidRequest
+from izh.guided_spec import validate_spec
 from izh.protocol import AddRequest, EngineOutput, SchedulerStats, TokenLogprobs
 from izh.tokenizer import load_tokenizer
 
@@ -40,7 +42,10 @@ class EngineCore:
         self.vocab_size = self.runner.vocab_size
         self.device = str(self.runner.device)
         self.dtype = str(self.runner.dtype).removeprefix("torch.")
-        self.eos_token_ids = load_tokenizer(config.model).eos_token_ids
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        self._grammar: GrammarManager | None = None
+        """Made on the first constrained request (building the grammar tokenizer takes a moment)."""
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
@@ -53,6 +58,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
             block_size=self.block_size,
+            is_ready=self._grammar_ready,
         )
         self._requests: dict[str, Request] = {}
         self._num_sent: dict[str, int] = {}
@@ -91,7 +97,15 @@ class EngineCore:
             priority=req.priority,
             cache_salt=req.cache_salt,
         )
-        self.scheduler.add_request(request)
+        if params.structured_outputs is not None:
+            validate_spec(params.structured_outputs)
+            self._grammar_manager().add_request(req.request_id, params.structured_outputs)
+        try:
+            self.scheduler.add_request(request)
+        except BaseException:
+            if self._grammar is not None:
+                self._grammar.remove(req.request_id)
+            raise
         self._requests[req.request_id] = request
         self._num_sent[req.request_id] = 0
         self._queued_ts[req.request_id] = time.monotonic()
@@ -116,7 +130,7 @@ class EngineCore:
             self.runner.remove_requests(sched.finished_request_ids)
             return []
         self._mark_scheduled(sched)
-        runner_out = self.runner.execute(sched)
+        runner_out = self.runner.execute(sched, self._grammar)
         self.last_forward_s = runner_out.forward_s
         self.last_step_is_decode = sched.total_num_scheduled_tokens == len(sched.scheduled)
         self._iteration_tokens.append(sched.total_num_scheduled_tokens)
@@ -126,8 +140,17 @@ class EngineCore:
         for request_id, entries in runner_out.prompt_logprobs.items():
             self._prompt_logprobs.setdefault(request_id, []).extend(entries)
         changed = self.scheduler.update_from_output(sched, runner_out.sampled_token_ids)
+        failed: dict[str, str] = {}
+        if self._grammar is not None and self._grammar.num_requests:
+            failed = self._advance_grammars(changed, runner_out.sampled_token_ids)
         outputs = []
         for request in changed:
+            if request.request_id in failed:
+                outputs.append(self._make_output(request, "error"))
+                outputs[-1].error = failed[request.request_id]
+                outputs[-1].error_code = 500
+                self._forget(request.request_id)
+                continue
             finish_reason = _FINISH_REASONS.get(request.status)
             outputs.append(
                 self._make_output(request, finish_reason, runner_out.logprobs.get(request.request_id))
@@ -135,6 +158,37 @@ class EngineCore:
             if finish_reason is not None:
                 self._forget(request.request_id)
         return outputs
+
+    def _advance_grammars(self, changed: list[Request], sampled: dict[str, list[int]]) -> dict[str, str]:
+        """Feed the sampled tokens to each constrained request's matcher; a grammar that reached its
+        end finishes its request with "stop", one that failed fails its request alone."""
+        grammar = self._grammar
+        assert grammar is not None
+        failed: dict[str, str] = {}
+        finished: list[str] = []
+        for request in changed:
+            request_id = request.request_id
+            if not grammar.has_grammar(request_id) or request.is_finished:
+                continue
+            if not grammar.accept_tokens(request_id, sampled.get(request_id, [])):
+                failed[request_id] = f"structured output failed: {grammar.error(request_id)}"
+            elif grammar.is_terminated(request_id):
+                finished.append(request_id)
+        if failed:
+            self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
+        if finished:
+            self.scheduler.finish_requests(finished, RequestStatus.FINISHED_STOPPED)
+        return failed
+
+    def _grammar_manager(self) -> GrammarManager:
+        if self._grammar is None:
+            self._grammar = GrammarManager(
+                self.tokenizer, self.vocab_size, max_num_rows=self.config.max_num_seqs
+            )
+        return self._grammar
+
+    def _grammar_ready(self, request: Request) -> bool:
+        return self._grammar is None or self._grammar.is_ready(request.request_id)
 
     def _mark_scheduled(self, sched: SchedulerOutput) -> None:
         """Record when each request was first scheduled (for the queue and prefill metrics)."""
@@ -173,6 +227,8 @@ class EngineCore:
 
     def _forget(self, request_id: str) -> None:
         self.runner.remove_requests([request_id])
+        if self._grammar is not None:
+            self._grammar.remove(request_id)
         self._requests.pop(request_id, None)
         self._num_sent.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)

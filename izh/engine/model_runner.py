@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from izh.config import EngineConfig
+from izh.engine.guided import GrammarManager, apply_bitmask
 from izh.engine.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 from izh.engine.scheduler import ScheduledRequest, SchedulerOutput
 from izh.errors import ModelLoadError
@@ -147,7 +148,7 @@ class ModelRunner:
             self._generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, grammar: GrammarManager | None = None) -> RunnerOutput:
         self.remove_requests(sched.finished_request_ids)
         scheduled = sched.scheduled
         if not scheduled:
@@ -165,7 +166,7 @@ class ModelRunner:
         out = RunnerOutput(forward_s=forward_s)
         num_sampled = len(sample_rows)
         if num_sampled:
-            self._sample(scheduled, sample_rows, logits[:num_sampled], out)
+            self._sample(scheduled, sample_rows, logits[:num_sampled], out, grammar)
         self._prompt_logprobs(scheduled, prompt_rows, logits[num_sampled:], out)
         return out
 
@@ -240,7 +241,13 @@ class ModelRunner:
         sample_rows: list[tuple[int, int]],
         logits: torch.Tensor,
         out: RunnerOutput,
+        grammar: GrammarManager | None,
     ) -> None:
+        if grammar is not None and grammar.num_requests:
+            ids = [scheduled[i].request.request_id for i, _ in sample_rows]
+            bitmask = grammar.fill_bitmask([r if grammar.has_grammar(r) else None for r in ids])
+            if bitmask is not None:
+                apply_bitmask(logits, bitmask)
         rows = []
         for batch_index, _ in sample_rows:
             req = scheduled[batch_index].request

@@ -13,7 +13,7 @@ import heapq
 import itertools
 import logging
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -130,6 +130,7 @@ class Scheduler:
         max_model_len: int,
         policy: str = "fcfs",
         block_size: int | None = None,
+        is_ready: Callable[[Request], bool] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; supported: {', '.join(POLICIES)}")
@@ -152,6 +153,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.policy = policy
+        self.is_ready = is_ready
+        """Whether a waiting request may start (False while its grammar still compiles)."""
         self.requests: dict[str, Request] = {}
         """Every unfinished request by id."""
         self.running: list[Request] = []
@@ -273,6 +276,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if self.is_ready is not None and not self.is_ready(request):
+                break  # head of line keeps its place; the running requests go on meanwhile
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
             if kv.allocate_slots(request, num_new_tokens, computed_blocks, num_hit_tokens) is None:
