@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 
 from izh import __version__
-from izh_cli import config_cmd, pull, serve
+from izh_cli import chat, config_cmd, inspect_cmd, pull, serve
+from izh_cli.bench import cli as bench_cli
 
 app = typer.Typer(
     name="izh",
@@ -39,6 +40,9 @@ def _root(
 # Commands, one module each.
 app.command("serve")(serve.serve)
 app.command("pull")(pull.pull)
+app.command("bench")(bench_cli.bench)
+app.command("inspect")(inspect_cmd.inspect)
+app.command("chat")(chat.chat)
 app.add_typer(config_cmd.config_app, name="config")
 
 
