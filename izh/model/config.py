@@ -1,0 +1,217 @@
+"""ModelConfig: the architecture hyper-parameters the model code needs, from HF config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from izh.errors import ModelLoadError
+
+# RoPE variants the model code implements. "freq_factors" is llama3 scaling as GGUF stores it: a
+# per-frequency divisor tensor (rope_freqs.weight) instead of the four llama3 parameters.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+# HF `model_type` / GGUF `general.architecture` for each HF `architectures` entry we know; anything else
+# keeps its own name and is rejected (with the supported list) by the registry.
+_HF_ARCH_TO_TYPE = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Decoder-only transformer shape and numerics; `architecture` is the registry key."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    """None, or a dict with "rope_type" in SUPPORTED_ROPE_TYPES and that type's parameters."""
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    """Bias on the q/k/v projections (and on o_proj for llama and qwen3, as in transformers)."""
+    qk_norm: bool
+    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ModelLoadError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ModelLoadError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        _check_rope_scaling(self.rope_scaling)
+
+    @property
+    def num_query_groups(self) -> int:
+        """Query heads sharing one KV head (GQA group size)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_hf_config(cls, d: Mapping[str, Any]) -> ModelConfig:
+        """Build from a parsed Hugging Face config.json; raises ModelLoadError for unsupported features."""
+        architecture = _hf_architecture(d)
+        _reject_unsupported_hf_features(d)
+        try:
+            hidden_size = int(d["hidden_size"])
+            num_heads = int(d["num_attention_heads"])
+            rope_theta, rope_scaling = _hf_rope(d)
+            return cls(
+                architecture=architecture,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden_size,
+                intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=num_heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
+                head_dim=int(d.get("head_dim") or hidden_size // num_heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=True if architecture == "qwen2" else bool(d.get("attention_bias", False)),
+                qk_norm=architecture == "qwen3",
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"config.json lacks the required field {e.args[0]!r}") from e
+
+    @classmethod
+    def from_gguf_metadata(
+        cls,
+        metadata: Mapping[str, Any],
+        tensor_shapes: Mapping[str, Sequence[int]],
+        rope_freq_factors: Sequence[float] | None = None,
+    ) -> ModelConfig:
+        """Build from GGUF key/values (plain Python values) and the file's tensor shapes by GGUF name.
+
+        Tensors decide what metadata may not say: tied embeddings (no `output.weight`), q/k/v biases,
+        q/k norms, the vocabulary size. `rope_freq_factors` are the values of a `rope_freqs.weight`
+        tensor when there is one (llama3-style scaling as llama.cpp's converter writes it).
+        """
+        names = set(tensor_shapes)
+        arch = metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelLoadError("GGUF metadata lacks general.architecture")
+
+        def get(key: str, default: Any = None) -> Any:
+            value = metadata.get(f"{arch}.{key}", default)
+            if value is None:
+                raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
+            return value
+
+        hidden_size = int(get("embedding_length"))
+        num_heads = int(get("attention.head_count"))
+        head_dim = int(metadata.get(f"{arch}.attention.key_length") or hidden_size // num_heads)
+        vocab_size = metadata.get(f"{arch}.vocab_size")
+        if vocab_size is None and "token_embd.weight" in tensor_shapes:
+            vocab_size = tensor_shapes["token_embd.weight"][0]
+        if vocab_size is None:
+            raise ModelLoadError(f"GGUF file has neither {arch}.vocab_size nor a token_embd.weight tensor")
+        return cls(
+            architecture=arch,
+            vocab_size=int(vocab_size),
+            hidden_size=hidden_size,
+            intermediate_size=int(get("feed_forward_length")),
+            num_hidden_layers=int(get("block_count")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=_gguf_rope_scaling(metadata, arch, rope_freq_factors),
+            max_position_embeddings=int(get("context_length", 2048)),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+        )
+
+
+def _hf_architecture(d: Mapping[str, Any]) -> str:
+    archs = d.get("architectures") or []
+    for name in archs:
+        if name in _HF_ARCH_TO_TYPE:
+            return _HF_ARCH_TO_TYPE[name]
+    model_type = d.get("model_type")
+    if isinstance(model_type, str) and not archs:
+        return model_type
+    if archs:
+        return str(archs[0])
+    raise ModelLoadError("config.json has neither 'architectures' nor 'model_type'")
+
+
+def _reject_unsupported_hf_features(d: Mapping[str, Any]) -> None:
+    # Refuse loudly rather than compute something subtly different from the reference model.
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"hidden_act {act!r} is not supported (only 'silu')")
+    if d.get("mlp_bias"):
+        raise ModelLoadError("mlp_bias=true is not supported")
+    if d.get("use_sliding_window"):
+        raise ModelLoadError("use_sliding_window=true is not supported")
+    if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelLoadError("partial_rotary_factor != 1 is not supported")
+
+
+def _hf_rope(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either the classic fields or transformers 5's `rope_parameters`."""
+    params = dict(d.get("rope_parameters") or {})
+    theta = float(d.get("rope_theta") or params.pop("rope_theta", None) or 10000.0)
+    params.pop("rope_theta", None)
+    scaling = d.get("rope_scaling") or params or None
+    if scaling is None:
+        return theta, None
+    scaling = dict(scaling)
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if rope_type == "default":
+        return theta, None
+    return theta, {"rope_type": rope_type, **scaling}
+
+
+def _gguf_rope_scaling(
+    metadata: Mapping[str, Any], arch: str, rope_freq_factors: Sequence[float] | None
+) -> dict[str, Any] | None:
+    if rope_freq_factors is not None:
+        return {"rope_type": "freq_factors", "freq_factors": tuple(float(f) for f in rope_freq_factors)}
+    scaling_type = metadata.get(f"{arch}.rope.scaling.type")
+    if scaling_type in (None, "none"):
+        return None
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
+    raise ModelLoadError(
+        f"GGUF rope scaling type {scaling_type!r} is not supported (supported: none, linear, rope_freqs)"
+    )
+
+
+def _check_rope_scaling(scaling: Mapping[str, Any] | None) -> None:
+    if scaling is None:
+        return
+    rope_type = scaling.get("rope_type")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    required: tuple[str, ...] = {
+        "default": (),
+        "linear": ("factor",),
+        "llama3": _LLAMA3_KEYS,
+        "freq_factors": ("freq_factors",),
+    }[rope_type]
+    missing = [k for k in required if k not in scaling]
+    if missing:
+        raise ModelLoadError(f"rope_scaling type {rope_type!r} lacks {', '.join(missing)}")

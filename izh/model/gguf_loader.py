@@ -1,0 +1,115 @@
+"""GGUF models: ModelConfig from metadata, tensor names mapped to transformers' names, tensors
+dequantized one at a time with `gguf.quants.dequantize` (Llama q/k rows un-permuted)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+
+import gguf
+import numpy as np
+import torch
+from torch import Tensor
+
+from izh.errors import ModelLoadError
+from izh.model.config import ModelConfig
+from izh.model.gguf_file import GGUFFile, GGUFTensorInfo
+from izh.model.weights import CheckpointTensor
+
+# Architectures whose attn_q / attn_k rows llama.cpp's convert_hf_to_gguf permutes for its RoPE layout.
+_PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+
+def gguf_model_config(file: GGUFFile) -> ModelConfig:
+    """ModelConfig from a GGUF file's metadata and tensor descriptors."""
+    shapes = {t.name: t.shape for t in file.tensors}
+    freq_factors = None
+    for t in file.tensors:
+        if t.name == ROPE_FREQS_TENSOR:
+            freq_factors = dequantize(file, t).reshape(-1).tolist()
+    return ModelConfig.from_gguf_metadata(file.metadata, shapes, rope_freq_factors=freq_factors)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """transformers' checkpoint name for a GGUF tensor name; None if unknown."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _BLOCK_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def dequantize(file: GGUFFile, info: GGUFTensorInfo, *, unpermute_heads: int = 0) -> Tensor:
+    """One tensor as float32 in torch's shape (a fresh tensor, never a view of the file); Llama q/k
+    rows un-permuted over `unpermute_heads` heads when non-zero."""
+    try:
+        array = gguf.quants.dequantize(file.raw(info), info.ggml_type)
+    except NotImplementedError as e:
+        raise ModelLoadError(f"GGUF tensor {info.name}: {e}") from e
+    array = np.asarray(array, dtype=np.float32).reshape(info.shape)
+    if unpermute_heads:
+        array = unpermute_qk(array, unpermute_heads)
+    # numpy, not torch, for these copies: single-threaded, so cheap even on a busy machine.
+    return torch.from_numpy(np.ascontiguousarray(array) if array.flags.writeable else array.copy())
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (per head: interleaved halves back to rotate-half order).
+
+    The converter maps each head's rows [first half, second half] to [h0[0], h1[0], h0[1], h1[1], ...];
+    this is its inverse. Works for weights [rows, in] and biases [rows]; returns a new array.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * num_heads) != 0:
+        raise ModelLoadError(f"cannot un-permute {rows} rows over {num_heads} heads")
+    rest = weight.shape[1:]
+    halves = weight.reshape(num_heads, rows // num_heads // 2, 2, *rest).swapaxes(1, 2)
+    return np.ascontiguousarray(halves).reshape(weight.shape)
+
+
+def gguf_checkpoint_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[CheckpointTensor]:
+    """The file's weight tensors under transformers' names, each dequantized (and, for Llama q/k,
+    un-permuted) only when read. An unknown GGUF tensor keeps its GGUF name (the loader rejects it)."""
+    permuted = config.architecture in _PERMUTED_QK_ARCHITECTURES
+    for t in file.tensors:
+        if t.name == ROPE_FREQS_TENSOR:
+            continue  # folded into ModelConfig.rope_scaling
+        name = hf_name(t.name)
+        heads = 0
+        if permuted and name is not None:
+            if ".self_attn.q_proj." in name:
+                heads = config.num_attention_heads
+            elif ".self_attn.k_proj." in name:
+                heads = config.num_key_value_heads
+        yield CheckpointTensor(
+            name=name if name is not None else t.name,
+            shape=t.shape,
+            source=f"GGUF tensor {t.name}",
+            read=_reader(file, t, heads),
+        )
+
+
+def _reader(file: GGUFFile, info: GGUFTensorInfo, unpermute_heads: int) -> Callable[[], Tensor]:
+    return lambda: dequantize(file, info, unpermute_heads=unpermute_heads)

@@ -1,0 +1,188 @@
+"""Building blocks shared by the decoder models: norms, (packed) linears, embeddings, RoPE, gated MLP.
+
+Parameters are created uninitialized (`torch.empty`): every one is overwritten by the loader, and random
+init of a large matrix costs more than loading it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, over the last dim."""
+
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.normalized_shape = (size,)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        # transformers normalizes in float32 and rounds before the weight; match it for low precision.
+        normed = F.rms_norm(x.float(), self.normalized_shape, None, self.eps).to(x.dtype)
+        return normed * self.weight
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), with W possibly packed from several checkpoint projections stacked by rows.
+
+    `shard_names`/`shard_sizes` tell the loader which checkpoint tensor fills which rows: for the fused
+    qkv_proj the shards are ("q_proj", "k_proj", "v_proj"). One matmul instead of three matters on CPU,
+    where per-op overhead dominates single-stream decode.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: Sequence[int],
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        shard_names: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if shard_names is not None and len(shard_names) != len(shard_sizes):
+            raise ValueError("shard_names and shard_sizes differ in length")
+        out_features = sum(shard_sizes)
+        self.in_features = in_features
+        self.shard_sizes = tuple(shard_sizes)
+        self.shard_names = tuple(shard_names) if shard_names is not None else None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def shard_rows(self) -> list[tuple[str | None, int, int]]:
+        """(checkpoint shard name or None if unpacked, first row, end row) for each shard."""
+        names: Sequence[str | None] = self.shard_names if self.shard_names is not None else [None]
+        rows = []
+        start = 0
+        for name, size in zip(names, self.shard_sizes, strict=True):
+            rows.append((name, start, start + size))
+            start += size
+        return rows
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding table [vocab_size, hidden_size]; also the LM head when embeddings are tied."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up packed in one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(
+            hidden_size,
+            (intermediate_size, intermediate_size),
+            bias=False,
+            dtype=dtype,
+            shard_names=("gate_proj", "up_proj"),
+        )
+        self.down_proj = Linear(intermediate_size, (hidden_size,), bias=False, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> Tensor:
+    """Inverse frequencies [head_dim // 2] (float32), bit-for-bit as transformers computes them."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "freq_factors":
+        factors = torch.tensor(scaling["freq_factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope freq_factors has {factors.numel()} values, expected {inv_freq.numel()}")
+        return inv_freq / factors
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any]) -> Tensor:
+    # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, and the band between the
+    # two thresholds interpolated smoothly.
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE in the "rotate half" layout, with cos/sin precomputed once for every position."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        *,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.theta = theta
+        self.scaling = scaling
+        self.cos_sin_cache: Tensor
+        self.register_buffer("cos_sin_cache", self._compute_cache(dtype), persistent=False)
+
+    def _compute_cache(self, dtype: torch.dtype) -> Tensor:
+        # Computed on CPU in float32 like transformers (positions * inv_freq, then cos/sin), then cast and
+        # moved to the default device (the loader builds models under `with torch.device(...)`).
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+            positions = torch.arange(self.max_position, dtype=torch.int64).to(torch.float32)
+            freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
+            cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, head_dim]
+        return cache.to(device=torch.get_default_device(), dtype=dtype)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        """cos|sin rows [num_tokens, head_dim] for absolute positions; pass them to `apply_rotary`."""
+        return self.cos_sin_cache.index_select(0, positions)
+
+
+def apply_rotary(x: Tensor, cos_sin: Tensor) -> Tensor:
+    """Rotate x [num_tokens, num_heads, head_dim] by the per-token cos|sin rows [num_tokens, head_dim]."""
+    half = x.shape[-1] // 2
+    cos = cos_sin[:, None, :half]
+    sin = cos_sin[:, None, half:]
+    x1 = x[..., :half]
+    x2 = x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

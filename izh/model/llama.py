@@ -1,0 +1,201 @@
+"""The Llama decoder (SmolLM2, Llama 3), which Qwen2 and Qwen3 reuse with their small differences.
+
+Parameter names follow transformers' checkpoints (`model.layers.0.self_attn...`) except where projections
+are packed (qkv_proj, gate_up_proj); the loader maps checkpoint names onto those rows.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+
+from izh.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PagedTorchAttentionBackend,
+    ReferenceAttentionBackend,
+)
+from izh.model.config import ModelConfig
+from izh.model.layers import (
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    apply_rotary,
+)
+
+
+class DecoderAttention(nn.Module):
+    """Self-attention: packed qkv projection, optional per-head q/k RMSNorm, RoPE, backend, o_proj."""
+
+    def __init__(self, config: ModelConfig, *, qkv_bias: bool, o_bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(
+            config.hidden_size,
+            (q_size, kv_size, kv_size),
+            bias=qkv_bias,
+            dtype=dtype,
+            shard_names=("q_proj", "k_proj", "v_proj"),
+        )
+        self.o_proj = Linear(q_size, (config.hidden_size,), bias=o_bias, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype) if config.qk_norm else None
+        self.kv_cache: Tensor | None = None
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        cos_sin: Tensor,
+        attn_metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> Tensor:
+        num_tokens = hidden_states.shape[0]
+        h, kvh = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden_states).view(num_tokens, h + 2 * kvh, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = apply_rotary(self.q_norm(qkv[:, :h]), cos_sin)
+            k = apply_rotary(self.k_norm(qkv[:, h : h + kvh]), cos_sin)
+        else:
+            # One rotation for q and k together: fewer ops per layer.
+            qk = apply_rotary(qkv[:, : h + kvh], cos_sin)
+            q, k = qk[:, :h], qk[:, h:]
+        v = qkv[:, h + kvh :]
+        out = backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale)  # [num_tokens, h, d]
+        return self.o_proj(out.reshape(num_tokens, h * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, *, qkv_bias: bool, o_bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = DecoderAttention(config, qkv_bias=qkv_bias, o_bias=o_bias, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype=dtype)
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        cos_sin: Tensor,
+        attn_metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> Tensor:
+        attn_out = self.self_attn(self.input_layernorm(hidden_states), cos_sin, attn_metadata, backend)
+        hidden_states = attn_out.add_(hidden_states)  # attn_out is fresh: add in place, save an alloc
+        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
+        return mlp_out.add_(hidden_states)
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the decoder layers and the final norm (transformers' `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig, *, qkv_bias: bool, o_bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, qkv_bias=qkv_bias, o_bias=o_bias, dtype=dtype)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        cos_sin: Tensor,
+        attn_metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, cos_sin, attn_metadata, backend)
+        return self.norm(hidden_states)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a flat batch; the interface every izh model implements.
+
+    Without a bound KV cache it runs the reference backend (fresh sequences only); with one, the paged
+    backend (`paged_backend`, replaceable, e.g. by a Triton kernel backend).
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        qkv_bias, o_bias = self.attention_biases(config)
+        self.model = DecoderModel(config, qkv_bias=qkv_bias, o_bias=o_bias, dtype=dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, (config.vocab_size,), bias=False, dtype=dtype)
+        )
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            dtype=dtype,
+        )
+        self.reference_backend: AttentionBackend = ReferenceAttentionBackend()
+        self.paged_backend: AttentionBackend = PagedTorchAttentionBackend()
+        self._kv_caches_bound = False
+
+    @staticmethod
+    def attention_biases(config: ModelConfig) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o_proj): transformers' Llama puts attention_bias on all four."""
+        return config.attention_bias, config.attention_bias
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn_metadata: AttentionMetadata) -> Tensor:
+        """Final-normed hidden states [num_tokens, hidden_size] for a flat batch of token ids
+        [num_tokens] int64 at absolute positions [num_tokens] int64."""
+        cos_sin = self.rotary_emb(positions)  # [num_tokens, head_dim], shared by every layer
+        backend = self.paged_backend if self._kv_caches_bound else self.reference_backend
+        return self.model(input_ids, cos_sin, attn_metadata, backend)
+
+    def compute_logits(self, hidden_states: Tensor) -> Tensor:
+        """float32 logits [n, vocab_size] for hidden states [n, hidden_size]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden_states, weight).float()
+
+    def attention_layers(self) -> list[DecoderAttention]:
+        """The attention module of every layer, in order."""
+        return [cast(DecoderAttention, layer.self_attn) for layer in self.model.layers]
+
+    def bind_kv_caches(self, kv_caches: list[Tensor] | None) -> None:
+        """Give each layer its cache [2, num_blocks, block_size, num_kv_heads, head_dim] (None unbinds).
+
+        The caches are used in place and must hold finite values (allocate with torch.zeros).
+        """
+        layers = self.attention_layers()
+        if kv_caches is None:
+            for attn in layers:
+                attn.kv_cache = None
+            self._kv_caches_bound = False
+            return
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"expected {len(layers)} KV caches (one per layer), got {len(kv_caches)}")
+        for i, (attn, cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            if (
+                cache.dim() != 5
+                or cache.shape[0] != 2
+                or cache.shape[3:] != (attn.num_kv_heads, attn.head_dim)
+            ):
+                raise ValueError(
+                    f"KV cache {i} has shape {tuple(cache.shape)}, expected "
+                    f"[2, num_blocks, block_size, {attn.num_kv_heads}, {attn.head_dim}]"
+                )
+            if cache.dtype != self.dtype or not cache.is_contiguous():
+                raise ValueError(f"KV cache {i} must be a contiguous {self.dtype} tensor, got {cache.dtype}")
+        for attn, cache in zip(layers, kv_caches, strict=True):
+            attn.kv_cache = cache
+        self._kv_caches_bound = True

@@ -1,0 +1,142 @@
+"""Loading a model from a Hugging Face folder (config.json + safetensors) or a single GGUF file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from izh.errors import ModelLoadError
+from izh.model import gguf_loader
+from izh.model.config import ModelConfig
+from izh.model.gguf_file import GGUFFile
+from izh.model.registry import build_model, get_model_class
+from izh.model.weights import CheckpointTensor, ProgressFn, load_weights
+
+logger = logging.getLogger(__name__)
+
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def is_gguf(path: str) -> bool:
+    """True for a GGUF file (by extension, or by magic bytes for an extensionless file)."""
+    p = Path(path)
+    if p.suffix.lower() == ".gguf":
+        return True
+    if not p.is_file():
+        return False
+    with p.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def load_model_config(path: str) -> ModelConfig:
+    """ModelConfig of a HF folder or GGUF file; an unsupported architecture raises ModelLoadError."""
+    _check_exists(path)
+    if is_gguf(path):
+        with GGUFFile(path) as file:
+            config = gguf_loader.gguf_model_config(file)
+    else:
+        config = ModelConfig.from_hf_config(_read_hf_config(path))
+    get_model_class(config.architecture)  # reject unsupported architectures here, not at load time
+    return config
+
+
+def load_model(
+    path: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    progress: ProgressFn | None = None,
+) -> tuple[nn.Module, ModelConfig]:
+    """Build the model for `path` (HF folder or .gguf file) on `device` and load every weight.
+
+    `progress(done, total, tensor_name)` is called after each tensor. Any missing, unexpected or
+    mis-shaped tensor raises ModelLoadError naming it (nothing is half-loaded silently).
+    """
+    _check_exists(path)
+    start_s = time.perf_counter()
+    with ExitStack() as files:
+        if is_gguf(path):
+            file = files.enter_context(GGUFFile(path))
+            config = gguf_loader.gguf_model_config(file)
+            tensors: list[CheckpointTensor] = list(gguf_loader.gguf_checkpoint_tensors(file, config))
+        else:
+            config = ModelConfig.from_hf_config(_read_hf_config(path))
+            tensors = list(_safetensors_checkpoint_tensors(path, files))
+        get_model_class(config.architecture)
+        with torch.device(device):
+            model = build_model(config, dtype=dtype)
+        load_weights(model, tensors, tied_embeddings=config.tie_word_embeddings, progress=progress)
+    model.eval()
+    logger.info(
+        "loaded %s (%s, %d layers) as %s on %s in %.2f s",
+        path,
+        config.architecture,
+        config.num_hidden_layers,
+        dtype,
+        device,
+        time.perf_counter() - start_s,
+    )
+    return model, config
+
+
+def _check_exists(path: str) -> None:
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path {path} does not exist")
+
+
+def _read_hf_config(folder: str) -> dict[str, Any]:
+    config_path = Path(folder) / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{folder} is neither a GGUF file nor a folder with a config.json")
+    try:
+        with config_path.open() as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {config_path}: {e}") from e
+
+
+def _safetensors_files(folder: str) -> list[Path]:
+    root = Path(folder)
+    index = root / _SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"cannot read {index}: {e}") from e
+        files = [root / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {folder}")
+    for f in files:
+        if not f.is_file():
+            raise ModelLoadError(f"weight shard {f} (listed in {_SAFETENSORS_INDEX}) is missing")
+    return files
+
+
+def _safetensors_checkpoint_tensors(folder: str, files: ExitStack) -> Iterator[CheckpointTensor]:
+    """Tensors of every shard; the shards stay open (memory-mapped) until `files` closes."""
+    for file in _safetensors_files(folder):
+        try:
+            handle = files.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            entries = [(name, tuple(handle.get_slice(name).get_shape())) for name in handle.keys()]  # noqa: SIM118
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ModelLoadError(f"cannot read {file}: {e}") from e
+        for name, shape in entries:
+            yield CheckpointTensor(
+                name=name, shape=shape, source=file.name, read=_tensor_reader(handle, name)
+            )
+
+
+def _tensor_reader(handle: Any, name: str) -> Callable[[], torch.Tensor]:
+    return lambda: handle.get_tensor(name)

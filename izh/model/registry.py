@@ -1,0 +1,54 @@
+"""Which model class implements which architecture (HF `architectures` or GGUF `general.architecture`)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from izh.errors import ModelLoadError
+from izh.model.attention import AttentionMetadata
+from izh.model.config import ModelConfig
+from izh.model.llama import LlamaForCausalLM
+from izh.model.qwen2 import Qwen2ForCausalLM
+from izh.model.qwen3 import Qwen3ForCausalLM
+
+
+class CausalLM(Protocol):
+    """What the model runner relies on; every registered class is an nn.Module with these methods."""
+
+    config: ModelConfig
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn_metadata: AttentionMetadata) -> Tensor: ...
+
+    def compute_logits(self, hidden_states: Tensor) -> Tensor: ...
+
+    def bind_kv_caches(self, kv_caches: list[Tensor] | None) -> None: ...
+
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    # Hugging Face config.json `architectures`
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # GGUF `general.architecture`, also ModelConfig.architecture
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
+    """The class for an architecture name; an unknown one raises ModelLoadError listing the supported."""
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ModelLoadError(
+            f"unsupported model architecture {architecture!r} (supported: {', '.join(MODEL_REGISTRY)})"
+        ) from None
+
+
+def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """An uninitialized model (parameters allocated, not loaded) on the current default device."""
+    return get_model_class(config.architecture)(config, dtype=dtype)

@@ -1,0 +1,148 @@
+"""Copying checkpoint tensors (under transformers' names) into a model's parameters, all or nothing.
+
+Every check (unknown name, missing tensor, wrong shape) runs on names and shapes alone, before a single
+byte is read, so a bad checkpoint fails fast and never half-loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from izh.errors import ModelLoadError
+from izh.model.layers import Linear
+
+ProgressFn = Callable[[int, int, str], None]
+
+_MAX_NAMES_IN_ERROR = 8
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointTensor:
+    """One tensor of a checkpoint: its transformers name and shape, read lazily."""
+
+    name: str
+    shape: tuple[int, ...]
+    source: str
+    """Where it lives, for error messages (file and name in the file)."""
+    read: Callable[[], Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    param: Tensor
+    rows: tuple[int, int] | None
+    """Row range of a packed parameter this tensor fills; None = the whole parameter."""
+    shape: tuple[int, ...]
+
+
+def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
+    """transformers' checkpoint name -> where it goes, for every parameter (packed ones by shard)."""
+    targets: dict[str, _Target] = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        if isinstance(module, Linear):
+            parent = module_name.rsplit(".", 1)[0] + "." if "." in module_name else ""
+            for shard, start, end in module.shard_rows():
+                base = f"{parent}{shard}" if shard is not None else module_name
+                rows = (start, end) if shard is not None else None
+                targets[f"{base}.weight"] = _Target(module.weight, rows, (end - start, module.in_features))
+                if module.bias is not None:
+                    targets[f"{base}.bias"] = _Target(module.bias, rows, (end - start,))
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            targets[f"{prefix}{param_name}"] = _Target(param, None, tuple(param.shape))
+    return targets
+
+
+def _is_ignorable(name: str, tied: bool) -> bool:
+    # Some exporters save RoPE's inv_freq buffer, and tied checkpoints sometimes keep a copy of the head.
+    return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+
+
+def _plan(
+    targets: dict[str, _Target], tensors: Iterable[CheckpointTensor], tied: bool
+) -> list[tuple[CheckpointTensor, _Target]]:
+    plan: list[tuple[CheckpointTensor, _Target]] = []
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for t in tensors:
+        if _is_ignorable(t.name, tied):
+            continue
+        target = targets.get(t.name)
+        if target is None:
+            unexpected.append(f"{t.name} ({t.source})" if t.source and t.name not in t.source else t.name)
+            continue
+        if t.name in seen:
+            raise ModelLoadError(f"tensor {t.name} appears twice in the checkpoint ({t.source})")
+        if t.shape != target.shape:
+            raise ModelLoadError(
+                f"tensor {t.name} has shape {list(t.shape)}, the model expects {list(target.shape)} ({t.source})"
+            )
+        seen.add(t.name)
+        plan.append((t, target))
+    if unexpected:
+        raise ModelLoadError(f"unexpected tensor(s) in the checkpoint: {_names(unexpected)}")
+    missing = [name for name in targets if name not in seen]
+    if missing:
+        raise ModelLoadError(f"tensor(s) missing from the checkpoint: {_names(missing)}")
+    return plan
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_NAMES_IN_ERROR])
+    more = len(names) - _MAX_NAMES_IN_ERROR
+    return shown + (f" (and {more} more)" if more > 0 else "")
+
+
+_NUMPY_COPY_DTYPES = (torch.float32, torch.float16)
+
+
+def _copy_into(dest: Tensor, value: Tensor) -> None:
+    # A same-dtype CPU copy goes through numpy: a plain single-threaded memcpy. torch's copy_ of a
+    # ~1 MB tensor runs an OpenMP region, which on a loaded machine costs ~30x more (measured 6 ms vs
+    # 0.25 ms per 576x576 copy with 2 threads and other processes on the cores).
+    if (
+        dest.device.type == "cpu"
+        and value.device.type == "cpu"
+        and dest.dtype == value.dtype in _NUMPY_COPY_DTYPES
+    ):
+        dest.numpy()[...] = value.numpy()
+    else:
+        dest.copy_(value)
+
+
+def load_weights(
+    model: nn.Module,
+    tensors: Iterable[CheckpointTensor],
+    *,
+    tied_embeddings: bool,
+    progress: ProgressFn | None = None,
+) -> None:
+    """Fill every parameter of `model` from `tensors`; raises ModelLoadError naming the first bad tensor.
+
+    Tensors are read one at a time and converted into the parameter's dtype/device, so peak memory is
+    the model plus one checkpoint tensor.
+    """
+    plan = _plan(checkpoint_targets(model), list(tensors), tied_embeddings)
+    total = len(plan)
+    with torch.no_grad():
+        for done, (t, target) in enumerate(plan, start=1):
+            try:
+                value = t.read()
+            except ModelLoadError:
+                raise
+            except Exception as e:  # a truncated file, a bad dtype: name the tensor
+                raise ModelLoadError(f"cannot read tensor {t.name} ({t.source}): {e}") from e
+            if tuple(value.shape) != target.shape:
+                raise ModelLoadError(
+                    f"tensor {t.name} read as shape {list(value.shape)}, expected {list(target.shape)}"
+                )
+            dest = target.param if target.rows is None else target.param[target.rows[0] : target.rows[1]]
+            _copy_into(dest, value)
+            del value
+            if progress is not None:
+                progress(done, total, t.name)
