@@ -134,3 +134,11 @@ def smollm2_gguf() -> str:
         )
     _set_torch_threads()
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_reference(smollm2_gguf: str):  # -> tests.fixtures.smollm2.HFReference
+    """transformers' prefill logits and 32 greedy tokens for the SmolLM2 chat prompt, once a session."""
+    from tests.fixtures.smollm2 import smollm2_hf_reference as compute
+
+    return compute(smollm2_gguf)

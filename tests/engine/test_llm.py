@@ -211,19 +211,12 @@ def test_bad_requests_fail_alone(llama: LLM) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_chat_greedy_equals_transformers(smollm2_gguf: str) -> None:
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
+def test_smollm2_chat_greedy_equals_transformers(smollm2_gguf: str, smollm2_hf_reference) -> None:
+    from tests.fixtures.smollm2 import NUM_GENERATED, SMOLLM2_CHAT_MESSAGES
 
     llm = LLM(smollm2_gguf, kv_cache_memory_bytes=64 << 20, max_model_len=512, show_progress=False)
-    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-    out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))[0]
-    path = Path(smollm2_gguf)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    ids = torch.tensor([out.prompt_token_ids])
-    with torch.inference_mode():
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
-    assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_GENERATED, ignore_eos=True)
+    out = llm.chat(SMOLLM2_CHAT_MESSAGES, params)[0]
+    assert out.prompt_token_ids == smollm2_hf_reference.prompt_ids
+    assert out.outputs[0].token_ids == smollm2_hf_reference.greedy_tokens
     assert "Paris" in out.outputs[0].text

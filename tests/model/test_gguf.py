@@ -3,7 +3,6 @@ on those weights, errors name the tensor; and the real SmolLM2 GGUF against tran
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import shutil
@@ -25,6 +24,7 @@ from tests.fixtures.checkpoints import (
     llama_cpp_permute,
     load_hf_weights,
 )
+from tests.fixtures.smollm2 import NUM_GENERATED, SMOLLM2_CHAT_IDS, HFReference
 
 PROMPTS = ["Hello world, the model is here.", "Two tokens and then 42 more words about the cache!"]
 
@@ -270,29 +270,6 @@ def test_k_quant_gguf_loads_dequantized(qtype: str, tmp_path: Path) -> None:
 # "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n
 #  <|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n
 #  <|im_start|>assistant\n", as SmolLM2's tokenizer and chat template encode it.
-SMOLLM2_CHAT_IDS = [
-    1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712,
-    8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 19842, 281, 582, 6330, 30, 2, 198,
-    1, 520, 9531, 198,
-]  # fmt: skip
-NUM_GENERATED = 32
-
-
-def _hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
-    """Prefill logits and n greedy tokens (EOS not special: a fixed-length comparison)."""
-    # transformers 5 renamed past_key_values to cache (in and out); accept either.
-    cache_kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
-    with torch.inference_mode():
-        out = hf(torch.tensor([prompt]), use_cache=True)
-        prefill_logits = out.logits[0].float()
-        cache, tokens = getattr(out, cache_kw), []
-        next_id = int(prefill_logits[-1].argmax())
-        for _ in range(n):
-            tokens.append(next_id)
-            out = hf(torch.tensor([[next_id]]), use_cache=True, **{cache_kw: cache})
-            cache = getattr(out, cache_kw)
-            next_id = int(out.logits[0, -1].argmax())
-    return prefill_logits, tokens
 
 
 def _our_greedy(model: torch.nn.Module, config, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
@@ -327,19 +304,14 @@ def _our_greedy(model: torch.nn.Module, config, prompt: list[int], n: int) -> tu
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_matches_transformers(smollm2_gguf: str) -> None:
+def test_smollm2_gguf_matches_transformers(smollm2_gguf: str, smollm2_hf_reference: HFReference) -> None:
     model, config = load_model(smollm2_gguf, dtype=torch.float32)
     assert (config.architecture, config.num_hidden_layers, config.vocab_size) == ("llama", 30, 49152)
     assert config.tie_word_embeddings
     ours_ref = _our_logits(model, [SMOLLM2_CHAT_IDS])[0]
     ours_paged, our_tokens = _our_greedy(model, config, SMOLLM2_CHAT_IDS, NUM_GENERATED)
     del model
-
-    path = Path(smollm2_gguf)
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    hf_logits, hf_tokens = _hf_greedy(hf, SMOLLM2_CHAT_IDS, NUM_GENERATED)
+    hf_logits, hf_tokens = smollm2_hf_reference.prefill_logits, smollm2_hf_reference.greedy_tokens
 
     # Measured: 0 for the reference path (same ops as transformers' sdpa path), ~7e-5 for the paged
     # path (different summation order), logits up to ~38 in magnitude.

@@ -1,0 +1,466 @@
+"""The engine core's process loop: an input thread, the busy loop, an output thread.
+
+`run_engine_core` is the entry point of the spawned core process (and the body of the debug thread).
+The frontend picks `ipc://` paths in a private temp dir and binds the output PULL socket; the core
+connects its output PUSH socket there and binds the input PULL socket. Only the busy-loop thread
+touches the EngineCore; the I/O threads only decode and encode, and libzmq releases the GIL while
+it waits, so I/O overlaps steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+
+from izh.config import EngineConfig
+from izh.errors import IzhError
+from izh.protocol import (
+    Abort,
+    AddRequest,
+    Dead,
+    EngineInput,
+    EngineMessage,
+    EngineOutput,
+    EngineOutputs,
+    Ready,
+    SchedulerStats,
+    Shutdown,
+    Utility,
+    UtilityResult,
+    make_encoder,
+    make_input_decoder,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CORE_FACTORY = "izh.engine.core:EngineCore"
+STATS_INTERVAL_S = 0.05
+"""Scheduler stats ride on an outputs message at most this often while busy (and always when idle)."""
+# Messages at least this big are sent without a copy; below it the copy is cheaper than the
+# bookkeeping of a zero-copy frame (pyzmq's own default threshold).
+_ZERO_COPY_MIN_BYTES = 64 * 1024
+# How long a closing socket may still flush queued messages (a Dead must reach the frontend).
+_LINGER_MS = 2000
+
+
+class EngineCoreLike(Protocol):
+    """What the loop needs of an engine core (EngineCore, or a test double)."""
+
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    device: str
+    dtype: str
+
+    def add_request(self, req: AddRequest) -> None: ...
+    def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]: ...
+    def step(self) -> list[EngineOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def make_stats(self) -> SchedulerStats: ...
+    def reset_prefix_cache(self) -> bool: ...
+    def kv_block_states(self) -> list[int]: ...
+    def shutdown(self) -> None: ...
+
+
+class _Fatal(Exception):
+    """step() (or the core itself) failed: the core sends Dead and exits non-zero."""
+
+
+@dataclass(slots=True)
+class _InputClosed:
+    """Put on the input queue when the input socket fails: the frontend is gone."""
+
+    reason: str
+
+
+def run_engine_core(
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    core_factory: str = DEFAULT_CORE_FACTORY,
+    log_level: int | None = None,
+) -> None:
+    """Build the core, send Ready (or Dead and return), then serve until Shutdown.
+
+    `core_factory` is "module:attribute", called with the config. In the process's main thread this
+    also names the process "EngineCore", configures logging at `log_level` and sets the signal
+    handlers. An exception in step() sends Dead and raises SystemExit(1) (a thread just ends).
+    """
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if in_main_thread:
+        ipc_paths = [a.removeprefix("ipc://") for a in (input_addr, output_addr) if a.startswith("ipc://")]
+        _setup_process(log_level, ipc_paths)
+    ctx = zmq.Context()
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, _LINGER_MS)
+    out_sock.connect(output_addr)
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.setsockopt(zmq.LINGER, 0)
+    # Bound before Ready: the frontend connects once it is ready, and its first sends then queue
+    # at once (a connecting PUSH gets its pipe immediately; a binding one only when a peer shows).
+    in_sock.bind(input_addr)
+    exit_code = 0
+    core: EngineCoreLike | None = None
+    try:
+        core = _build_core(config, core_factory, out_sock)
+        if core is not None:
+            # The loop's threads close the sockets; term() waits for that (and wakes the input
+            # thread's blocking recv with ETERM).
+            exit_code = EngineCoreProc(core, in_sock, out_sock).run()
+    finally:
+        out_sock.close()  # flushes a Dead within the linger time; closing twice is harmless
+        if core is None:
+            in_sock.close()  # no input thread ever owned it
+        ctx.term()
+    if exit_code:
+        raise SystemExit(exit_code)
+
+
+def _build_core(config: EngineConfig, core_factory: str, out_sock: zmq.Socket) -> EngineCoreLike | None:
+    """The core, announced with Ready; or None after sending Dead with a one-line reason."""
+    encoder = make_encoder()
+    try:
+        factory = _resolve_factory(core_factory)
+        core: EngineCoreLike = factory(config)
+    except Exception as exc:  # every startup failure must reach the frontend as Dead
+        reason = _one_line(exc)
+        logger.error("EngineCore failed to start: %s", reason, exc_info=not isinstance(exc, IzhError))
+        out_sock.send(encoder.encode(Dead(reason)))
+        return None
+    ready = Ready(
+        max_model_len=core.max_model_len,
+        num_blocks=core.num_blocks,
+        block_size=core.block_size,
+        vocab_size=core.vocab_size,
+        eos_token_ids=sorted(core.eos_token_ids),
+        device=core.device,
+        dtype=core.dtype,
+    )
+    out_sock.send(encoder.encode(ready))
+    logger.info(
+        "EngineCore ready: max_model_len=%d num_blocks=%d block_size=%d device=%s dtype=%s",
+        core.max_model_len,
+        core.num_blocks,
+        core.block_size,
+        core.device,
+        core.dtype,
+    )
+    return core
+
+
+def _resolve_factory(dotted: str) -> Callable[[EngineConfig], Any]:
+    module_name, sep, attr = dotted.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"core factory must look like 'package.module:name', got {dotted!r}")
+    factory = getattr(importlib.import_module(module_name), attr)
+    if not callable(factory):
+        raise TypeError(f"core factory {dotted!r} is not callable")
+    return factory
+
+
+def _one_line(exc: BaseException) -> str:
+    """A readable one-line reason: an IzhError's own message, else "Type: message"."""
+    text = exc.message if isinstance(exc, IzhError) else f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split()) or type(exc).__name__
+
+
+def _setup_process(log_level: int | None, ipc_paths: list[str]) -> None:
+    """Name the process, configure logging and let the parent drive shutdown."""
+    import multiprocessing
+
+    multiprocessing.current_process().name = "EngineCore"
+    _set_kernel_thread_name(b"EngineCore")
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(
+            level=log_level if log_level is not None else logging.INFO,
+            format="%(asctime)s %(levelname)s EngineCore[%(process)d] %(name)s: %(message)s",
+        )
+    elif log_level is not None:
+        root.setLevel(log_level)
+    # Ctrl-C reaches the whole process group; the frontend handles it once and sends Shutdown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A direct SIGTERM (systemd, an operator) ends the core in order: the busy loop unwinds.
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        watcher = threading.Thread(
+            target=_exit_when_parent_dies,
+            args=(parent.sentinel, ipc_paths),
+            name="EngineCoreParentWatch",
+            daemon=True,
+        )
+        watcher.start()
+
+
+def _exit_when_parent_dies(parent_sentinel: int, ipc_paths: list[str]) -> None:
+    """A frontend killed with SIGKILL cannot send Shutdown: never outlive it as an orphan."""
+    import multiprocessing.connection
+
+    multiprocessing.connection.wait([parent_sentinel])
+    logger.warning("the frontend process is gone; EngineCore exits")
+    _remove_ipc_files(ipc_paths)
+    # Not an orderly unwind: with no peer left, a send may block forever and keep ctx.term()
+    # waiting. Nobody is left to tell; the OS frees the memory (and the GPU's).
+    logging.shutdown()
+    os._exit(1)
+
+
+def _remove_ipc_files(paths: list[str]) -> None:
+    """Remove the socket files and their dir (only if then empty: never more than the frontend made)."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    for directory in {os.path.dirname(path) for path in paths}:
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _set_kernel_thread_name(name: bytes) -> None:
+    """Show "EngineCore" in ps/top (prctl PR_SET_NAME); best effort, Linux only."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        pr_set_name = 15
+        libc.prctl(pr_set_name, ctypes.c_char_p(name[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+class EngineCoreProc:
+    """The busy loop around one core, with its input and output threads."""
+
+    def __init__(self, core: EngineCoreLike, in_sock: zmq.Socket, out_sock: zmq.Socket) -> None:
+        self.core = core
+        self._in_sock = in_sock
+        self._out_sock = out_sock
+        self._inputs: queue.SimpleQueue[EngineInput | _InputClosed] = queue.SimpleQueue()
+        self._outputs: queue.SimpleQueue[EngineMessage | None] = queue.SimpleQueue()
+        self._last_stats_time = 0.0
+        self._stopping = False
+
+    def run(self) -> int:
+        """Serve until Shutdown (0) or a fatal error (1, after sending Dead)."""
+        input_thread = threading.Thread(target=self._input_loop, name="EngineCoreInput", daemon=True)
+        output_thread = threading.Thread(target=self._output_loop, name="EngineCoreOutput", daemon=True)
+        input_thread.start()
+        output_thread.start()
+        exit_code = 0
+        try:
+            self._busy_loop()
+        except Exception as exc:
+            if isinstance(exc, _Fatal):
+                reason = str(exc)
+            else:
+                logger.exception("EngineCore loop failed")
+                reason = f"the engine core loop failed: {_one_line(exc)}"
+            logger.error("EngineCore died: %s", reason)
+            self._outputs.put(Dead(reason))
+            exit_code = 1
+        finally:
+            self._outputs.put(None)
+            output_thread.join()
+            self._out_sock.close()
+            # The input thread blocks in recv; closing the context (the caller's ctx.term()) wakes
+            # it with ETERM, and it closes its own socket. It is a daemon, so a process exit never
+            # waits for it.
+            self._shutdown_core()
+        return exit_code
+
+    def _shutdown_core(self) -> None:
+        try:
+            self.core.shutdown()
+        except Exception:
+            logger.exception("EngineCore shutdown failed")
+
+    # --- the busy loop --------------------------------------------------------------------------
+
+    def _busy_loop(self) -> None:
+        while not self._stopping:
+            self._process_inputs()
+            if self._stopping:
+                return
+            if self.core.has_unfinished_requests():
+                self._step()
+
+    def _process_inputs(self) -> None:
+        """Handle every queued input; block for one only while the core has nothing to do."""
+        if not self.core.has_unfinished_requests():
+            self._handle(self._inputs.get())
+        while not self._stopping:
+            try:
+                msg = self._inputs.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(msg)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except Exception as exc:
+            logger.exception("EngineCore step failed")
+            raise _Fatal(f"step() failed: {_one_line(exc)}") from exc
+        self._send_outputs(outputs)
+
+    def _send_outputs(self, outputs: list[EngineOutput], force_stats: bool = False) -> None:
+        """Queue one outputs message, with the scheduler stats when due (or when going idle)."""
+        now = time.monotonic()
+        stats = None
+        if force_stats or now - self._last_stats_time >= STATS_INTERVAL_S or not self._has_work():
+            stats = self._make_stats()
+            self._last_stats_time = now
+        if outputs or stats is not None:
+            self._outputs.put(EngineOutputs(outputs=outputs, timestamp=now, stats=stats))
+
+    def _has_work(self) -> bool:
+        try:
+            return self.core.has_unfinished_requests()
+        except Exception as exc:
+            raise _Fatal(f"has_unfinished_requests() failed: {_one_line(exc)}") from exc
+
+    def _make_stats(self) -> SchedulerStats | None:
+        try:
+            return self.core.make_stats()
+        except Exception:
+            # Stats are best effort: losing one message must not kill serving.
+            logger.exception("EngineCore make_stats failed")
+            return None
+
+    # --- inputs ---------------------------------------------------------------------------------
+
+    def _handle(self, msg: EngineInput | _InputClosed) -> None:
+        if isinstance(msg, AddRequest):
+            self._add_request(msg)
+        elif isinstance(msg, Abort):
+            self._send_outputs(self.core.abort_requests(msg.request_ids))
+        elif isinstance(msg, Utility):
+            self._outputs.put(self._call_utility(msg))
+        elif isinstance(msg, Shutdown):
+            logger.info("EngineCore shutting down")
+            self._stopping = True
+        else:
+            # The frontend vanished: nobody is left to serve or to tell.
+            logger.warning("EngineCore input closed (%s); exiting", msg.reason)
+            self._stopping = True
+
+    def _add_request(self, req: AddRequest) -> None:
+        try:
+            self.core.add_request(req)
+        except Exception as exc:  # a bad request fails alone; the others go on
+            code = exc.status_code if isinstance(exc, IzhError) else 500
+            message = _one_line(exc)
+            logger.warning("request %s rejected by the core: %s", req.request_id, message)
+            failed = EngineOutput(
+                request_id=req.request_id,
+                new_token_ids=[],
+                finish_reason="error",
+                error=message,
+                error_code=code,
+                num_prompt_tokens=len(req.prompt_token_ids),
+            )
+            self._outputs.put(EngineOutputs(outputs=[failed], timestamp=time.monotonic()))
+
+    def _call_utility(self, msg: Utility) -> UtilityResult:
+        try:
+            return UtilityResult(msg.call_id, result=self._utility_result(msg.method, msg.args))
+        except Exception as exc:
+            logger.warning("utility %s failed: %s", msg.method, _one_line(exc))
+            return UtilityResult(msg.call_id, error=_one_line(exc))
+
+    def _utility_result(self, method: str, args: list[Any]) -> Any:
+        if method == "ping":
+            return "pong"
+        if method == "stats":
+            # make_stats() hands over the per-step counts once: let the metrics stream see them too.
+            stats = self.core.make_stats()
+            self._last_stats_time = time.monotonic()
+            self._outputs.put(EngineOutputs(outputs=[], timestamp=self._last_stats_time, stats=stats))
+            return stats
+        if method == "reset_prefix_cache":
+            return self.core.reset_prefix_cache()
+        if method == "kv_block_states":
+            return self.core.kv_block_states()
+        raise ValueError(
+            f"unknown utility method {method!r} (ping, stats, reset_prefix_cache, kv_block_states)"
+        )
+
+    # --- I/O threads ----------------------------------------------------------------------------
+
+    def _input_loop(self) -> None:
+        """Receive and decode inputs into the queue until the context is terminated."""
+        decoder = make_input_decoder()
+        try:
+            while True:
+                frame = self._in_sock.recv(copy=False)
+                try:
+                    msg = decoder.decode(frame.buffer)
+                except Exception as exc:  # SamplingParams' checks raise InvalidRequest while decoding
+                    self._reject_undecodable(frame.buffer, exc)
+                    continue
+                self._inputs.put(msg)
+        except zmq.ContextTerminated:
+            pass
+        except zmq.ZMQError as exc:
+            self._inputs.put(_InputClosed(str(exc)))
+        finally:
+            self._in_sock.close()
+
+    def _reject_undecodable(self, buffer: memoryview, exc: Exception) -> None:
+        """An AddRequest that fails validation (e.g. SamplingParams) fails alone, with a 400."""
+        request_id = _peek_request_id(buffer)
+        logger.warning("undecodable input (request %s): %s", request_id, _one_line(exc))
+        if request_id is None:
+            return
+        failed = EngineOutput(
+            request_id=request_id,
+            new_token_ids=[],
+            finish_reason="error",
+            error=_one_line(exc),
+            error_code=exc.status_code if isinstance(exc, IzhError) else 400,
+        )
+        self._outputs.put(EngineOutputs(outputs=[failed], timestamp=time.monotonic()))
+
+    def _output_loop(self) -> None:
+        """Encode and send queued messages until the None sentinel."""
+        encoder = make_encoder()
+        while True:
+            msg = self._outputs.get()
+            if msg is None:
+                return
+            data = encoder.encode(msg)
+            try:
+                self._out_sock.send(data, 0, copy=len(data) < _ZERO_COPY_MIN_BYTES)
+            except zmq.ZMQError as exc:
+                logger.warning("EngineCore output send failed: %s", exc)
+                return
+
+
+def _peek_request_id(buffer: memoryview) -> str | None:
+    try:
+        raw = msgspec.msgpack.decode(buffer)
+    except msgspec.DecodeError:
+        return None
+    request_id = raw.get("request_id") if isinstance(raw, dict) else None
+    return request_id if isinstance(request_id, str) else None

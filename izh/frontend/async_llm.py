@@ -1,0 +1,574 @@
+"""AsyncLLM: the API process's engine: admission, one output stream per request, deadlines, drain.
+
+Everything that can refuse a request (validation, context length, admission) happens in
+`add_request`, before the caller starts streaming, so a refusal is still a real HTTP status.
+The core's outputs arrive as one EngineOutputs message per step; `_on_outputs` handles a message
+in one synchronous pass: per request one detokenize/stop-check and one wake-up of its consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import msgspec
+
+from izh.config import EngineConfig
+from izh.engine.core_proc import DEFAULT_CORE_FACTORY
+from izh.errors import (
+    ContextLengthExceeded,
+    EngineDead,
+    InvalidRequest,
+    IzhError,
+    Overloaded,
+)
+from izh.frontend.client import EngineCoreClient
+from izh.frontend.output_processor import OutputProcessor, RequestOutput, RequestState
+from izh.frontend.stats import StatLogger, StatLoggers
+from izh.protocol import Abort, AddRequest, EngineOutputs, Ready
+from izh.sampling_params import SamplingParams
+from izh.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BUFFERED_OUTPUTS = 1024
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of RequestOutput deltas.
+
+    Ends after the output with `finished` set. A request that fails raises from the iterator:
+    EngineDead when the core dies or the server shuts down, InvalidRequest when the core rejects it,
+    IzhError otherwise. Cancelling the consuming task, `abort()`, `aclose()` or leaving an
+    `async with` block early aborts the request (the core frees its blocks on its next step).
+    Outputs the consumer has not taken yet are merged into one, never queued one by one.
+    """
+
+    __slots__ = (
+        "_done",
+        "_error",
+        "_llm",
+        "_num_buffered",
+        "_pending",
+        "_timer",
+        "_waiter",
+        "request_id",
+        "state",
+    )
+
+    def __init__(self, request_id: str, state: RequestState, llm: AsyncLLM) -> None:
+        self.request_id = request_id
+        self.state = state
+        self._llm = llm
+        self._pending: RequestOutput | None = None
+        self._num_buffered = 0
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._done = False
+
+    @property
+    def finished(self) -> bool:
+        """The request is over (its final output may still wait to be read)."""
+        return self.state.finished or self._error is not None
+
+    # --- producer side (AsyncLLM, on the event loop) -------------------------------------------
+
+    def _put(self, out: RequestOutput) -> int:
+        """Buffer one output for the consumer; returns how many are merged and unread."""
+        if self._pending is None:
+            self._pending = out
+            self._num_buffered = 1
+        else:
+            self._pending.merge(out)
+            self._num_buffered += 1
+        self._wake()
+        return self._num_buffered
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # --- consumer side --------------------------------------------------------------------------
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            out = self._pending
+            if out is not None:
+                self._pending = None
+                self._num_buffered = 0
+                if out.finished:
+                    self._done = True
+                if out.finish_reason == "error":
+                    raise _request_error(out)
+                return out
+            if self._error is not None:
+                error, self._error = self._error, None
+                self._done = True
+                raise error
+            if self._done:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            except asyncio.CancelledError:
+                self.abort()
+                raise
+            finally:
+                self._waiter = None
+
+    def abort(self) -> None:
+        """Stop the request now (no-op once it finished)."""
+        if not self._done:
+            self._done = True
+            self._pending = None
+            self._llm._abort_request(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.abort()
+
+
+def _request_error(out: RequestOutput) -> IzhError:
+    """The exception a consumer sees for a finish_reason "error" output."""
+    message = out.error or "the request failed"
+    if out.error_code == 400:
+        return InvalidRequest(message)
+    return IzhError(message)
+
+
+class AsyncLLM:
+    """Generate with an engine core in another process (or a thread, for debugging).
+
+    Call everything from one event loop. Start with `await AsyncLLM.start(config)`.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer,
+        *,
+        max_requests_in_flight: int,
+        max_waiting_requests: int,
+        request_timeout_s: float | None,
+        max_buffered_outputs: int,
+        stat_loggers: Sequence[StatLogger],
+    ) -> None:
+        self.config = config
+        self.model_name = config.served_model_name
+        self.tokenizer = tokenizer
+        self.max_requests_in_flight = max_requests_in_flight
+        self.max_waiting_requests = max_waiting_requests
+        self.request_timeout_s = request_timeout_s
+        self.max_buffered_outputs = max_buffered_outputs
+        self.stat_loggers = StatLoggers(stat_loggers)
+        self._processor = OutputProcessor(tokenizer)
+        self._requests: dict[str, RequestStream] = {}
+        self._num_waiting = 0
+        """Admitted requests without any output token yet (queued or prefilling in the core)."""
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._draining = False
+        self._client: EngineCoreClient | None = None
+
+    @classmethod
+    async def start(
+        cls,
+        config: EngineConfig,
+        *,
+        core_mode: str = "process",
+        max_requests_in_flight: int = 512,
+        max_waiting_requests: int = 1024,
+        request_timeout_s: float | None = None,
+        max_buffered_outputs: int = DEFAULT_MAX_BUFFERED_OUTPUTS,
+        heartbeat_timeout_s: float = 30.0,
+        heartbeat_interval_s: float | None = None,
+        stat_loggers: Sequence[StatLogger] = (),
+        core_factory: str = DEFAULT_CORE_FACTORY,
+        ready_timeout_s: float = 600.0,
+        tokenizer: Tokenizer | None = None,
+    ) -> AsyncLLM:
+        """Load the tokenizer (here, no torch) while the core loads the model; wait for Ready.
+
+        `max_waiting_requests` bounds admitted requests that have no output token yet;
+        `max_buffered_outputs` bounds the step outputs a slow consumer leaves unread before its
+        request is aborted. Raises ModelLoadError / EngineDead when the core cannot start.
+        """
+        llm: AsyncLLM | None = None
+
+        # The client reports through these. Until `llm` exists no request is in flight, so nothing
+        # is lost; a death meanwhile is still recorded by the client (is_dead).
+        def on_outputs(msg: EngineOutputs) -> None:
+            if llm is not None:
+                llm._on_outputs(msg)
+
+        def on_dead(reason: str) -> None:
+            if llm is not None:
+                llm._on_dead(reason)
+
+        client_task = asyncio.ensure_future(
+            EngineCoreClient.start(
+                config,
+                on_outputs=on_outputs,
+                on_dead=on_dead,
+                core_mode=core_mode,
+                core_factory=core_factory,
+                ready_timeout_s=ready_timeout_s,
+                heartbeat_interval_s=heartbeat_interval_s or min(5.0, heartbeat_timeout_s / 3),
+                heartbeat_timeout_s=heartbeat_timeout_s,
+            )
+        )
+        if tokenizer is None:
+            tokenizer = await _load_tokenizer_beside(config.model, client_task)
+        client = await client_task
+        llm = cls(
+            config,
+            tokenizer,
+            max_requests_in_flight=max_requests_in_flight,
+            max_waiting_requests=max_waiting_requests,
+            request_timeout_s=request_timeout_s,
+            max_buffered_outputs=max_buffered_outputs,
+            stat_loggers=stat_loggers,
+        )
+        llm._client = client
+        return llm
+
+    # --- state ----------------------------------------------------------------------------------
+
+    @property
+    def client(self) -> EngineCoreClient:
+        assert self._client is not None, "use AsyncLLM.start()"
+        return self._client
+
+    @property
+    def ready(self) -> Ready:
+        ready = self.client.ready
+        assert ready is not None
+        return ready
+
+    @property
+    def is_ready(self) -> bool:
+        """Serving: the core is up and the server is not draining."""
+        return self._client is not None and not self._client.is_dead and not self._draining
+
+    @property
+    def is_dead(self) -> bool:
+        return self._client is not None and self._client.is_dead
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._client.dead_reason if self._client is not None else None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    # --- requests -------------------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        deadline_s: float | None = None,
+    ) -> RequestStream:
+        """Validate, admit and send one request (n == 1); returns its output stream.
+
+        `deadline_s` (seconds from now; default `request_timeout_s`) ends the request with what it
+        has and finish_reason "length". Raises InvalidRequest / ContextLengthExceeded for a bad
+        request, Overloaded when too busy or draining, EngineDead when the core is gone.
+        """
+        params = self._validated_params(request_id, prompt_token_ids, params)
+        self._check_admission()
+        now = time.monotonic()
+        state = self._processor.make_request_state(request_id, prompt_token_ids, params, arrival_time=now)
+        stream = RequestStream(request_id, state, self)
+        self.client.send(
+            AddRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling_params=params,
+                arrival_time=time.time(),
+                priority=priority,
+                cache_salt=cache_salt,
+            )
+        )
+        self._requests[request_id] = stream
+        self._num_waiting += 1
+        self._idle.clear()
+        timeout_s = deadline_s if deadline_s is not None else self.request_timeout_s
+        if timeout_s is not None:
+            loop = asyncio.get_running_loop()
+            stream._timer = loop.call_later(max(timeout_s, 0.0), self._on_deadline, stream)
+        return stream
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        deadline_s: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """add_request, then yield its outputs; closing or cancelling the generator aborts it."""
+        stream = await self.add_request(
+            request_id,
+            prompt_token_ids,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            deadline_s=deadline_s,
+        )
+        async with stream:
+            async for out in stream:
+                yield out
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request by id (no-op when it already finished)."""
+        self._abort_request(request_id)
+
+    def _validated_params(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> SamplingParams:
+        """Check the request against the model; the returned params have max_tokens set."""
+        if request_id in self._requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
+        if params.n != 1:
+            raise InvalidRequest(
+                f"AsyncLLM takes one sequence per request (n=1), got n={params.n}", param="n"
+            )
+        ready = self.ready
+        params.validate(ready.vocab_size)
+        if not prompt_token_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        low, high = min(prompt_token_ids), max(prompt_token_ids)
+        if low < 0 or high >= ready.vocab_size:
+            bad = low if low < 0 else high
+            raise InvalidRequest(
+                f"prompt token id {bad} is out of range [0, {ready.vocab_size})", param="prompt"
+            )
+        num_prompt_tokens = len(prompt_token_ids)
+        max_model_len = ready.max_model_len
+        if params.max_tokens is None:
+            if num_prompt_tokens >= max_model_len:
+                raise ContextLengthExceeded(
+                    f"This model's maximum context length is {max_model_len} tokens. However, your "
+                    f"messages resulted in {num_prompt_tokens} tokens. Please reduce the length of "
+                    "the messages.",
+                    param="messages",
+                )
+            return msgspec.structs.replace(params, max_tokens=max_model_len - num_prompt_tokens)
+        if num_prompt_tokens + params.max_tokens > max_model_len:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {num_prompt_tokens + params.max_tokens} tokens ({num_prompt_tokens} in "
+                f"the messages, {params.max_tokens} in the completion). Please reduce the length of "
+                "the messages or completion.",
+                param="messages",
+            )
+        return params
+
+    def _check_admission(self) -> None:
+        client = self.client
+        if client.is_dead:
+            raise EngineDead(f"the engine core is dead: {client.dead_reason}")
+        if self._draining:
+            raise Overloaded("server is shutting down")
+        if len(self._requests) >= self.max_requests_in_flight:
+            raise Overloaded(
+                f"server is overloaded: {len(self._requests)} requests in flight "
+                f"(limit {self.max_requests_in_flight}); retry later"
+            )
+        if self._num_waiting >= self.max_waiting_requests:
+            raise Overloaded(
+                f"server is overloaded: {self._num_waiting} requests waiting "
+                f"(limit {self.max_waiting_requests}); retry later"
+            )
+
+    # --- the output path (hot: once per step) ----------------------------------------------------
+
+    def _on_outputs(self, msg: EngineOutputs) -> None:
+        now = time.monotonic()
+        requests = self._requests
+        process = self._processor.process
+        loggers = self.stat_loggers if self.stat_loggers else None
+        max_buffered = self.max_buffered_outputs
+        to_abort: list[str] = []
+        for eo in msg.outputs:
+            stream = requests.get(eo.request_id)
+            if stream is None:
+                continue  # finished or aborted here already; the core's late word on it
+            state = stream.state
+            is_first = not state.metrics.first_token_time
+            out = process(state, eo, now)
+            if eo.new_token_ids:
+                if is_first:
+                    self._num_waiting -= 1
+                if loggers is not None:
+                    loggers.on_new_tokens(eo.request_id, len(eo.new_token_ids), now, is_first)
+            if out.finished:
+                self._forget(stream)
+                if eo.finish_reason is None:
+                    to_abort.append(eo.request_id)  # a stop string ended it; the core runs on
+                stream._put(out)
+            elif stream._put(out) > max_buffered:
+                self._fail_slow_consumer(stream)
+                to_abort.append(eo.request_id)
+        if msg.stats is not None and loggers is not None:
+            loggers.on_scheduler_stats(msg.stats)
+        if to_abort:
+            self._send_abort(to_abort)
+
+    def _forget(self, stream: RequestStream) -> None:
+        """Drop a finished request's bookkeeping and report its metrics."""
+        del self._requests[stream.request_id]
+        if stream._timer is not None:
+            stream._timer.cancel()
+        metrics = stream.state.metrics
+        if not metrics.first_token_time:
+            self._num_waiting -= 1
+        if self.stat_loggers:
+            self.stat_loggers.on_request_finished(metrics)
+        if not self._requests:
+            self._idle.set()
+
+    def _finish_from_frontend(
+        self, stream: RequestStream, finish_reason: str, *, error: str | None = None, error_code: int = 0
+    ) -> RequestOutput:
+        out = self._processor.finish(
+            stream.state, finish_reason, time.monotonic(), error=error, error_code=error_code
+        )
+        self._forget(stream)
+        return out
+
+    def _fail_slow_consumer(self, stream: RequestStream) -> None:
+        logger.warning(
+            "request %s: aborted, its consumer left more than %d outputs unread",
+            stream.request_id,
+            self.max_buffered_outputs,
+        )
+        out = self._finish_from_frontend(
+            stream,
+            "error",
+            error=f"the client read too slowly: more than {self.max_buffered_outputs} outputs were buffered",
+            error_code=500,
+        )
+        stream._pending = None
+        stream._put(out)
+
+    def _on_deadline(self, stream: RequestStream) -> None:
+        if stream.state.finished or self._requests.get(stream.request_id) is not stream:
+            return
+        logger.info("request %s: deadline reached; ending it with finish_reason length", stream.request_id)
+        stream._put(self._finish_from_frontend(stream, "length"))
+        self._send_abort([stream.request_id])
+
+    def _abort_request(self, request_id: str) -> None:
+        stream = self._requests.get(request_id)
+        if stream is None:
+            return
+        logger.debug("request %s: aborted", request_id)
+        stream._put(self._finish_from_frontend(stream, "abort"))
+        self._send_abort([request_id])
+
+    def _send_abort(self, request_ids: list[str]) -> None:
+        client = self.client
+        if client.is_dead:
+            return
+        with contextlib.suppress(IzhError):  # the core is gone or closing: nothing left to free
+            client.send(Abort(request_ids))
+
+    def _on_dead(self, reason: str) -> None:
+        """Fail every in-flight request: the core that ran them is gone."""
+        self._fail_all(EngineDead(f"the engine core is dead: {reason}"))
+
+    def _fail_all(self, error: IzhError) -> None:
+        streams = list(self._requests.values())
+        if streams:
+            logger.error("failing %d in-flight requests: %s", len(streams), error.message)
+        for stream in streams:
+            self._processor.finish(stream.state, "error", time.monotonic(), error=error.message)
+            self._forget(stream)
+            stream._fail(error)
+
+    # --- utilities and shutdown -----------------------------------------------------------------
+
+    async def get_stats(self) -> dict[str, Any]:
+        """The core's SchedulerStats (as a dict), plus the frontend's request counts."""
+        stats = await self.client.call_utility("stats")
+        result = dict(stats) if isinstance(stats, dict) else {}
+        result["num_requests_in_flight"] = self.num_in_flight
+        result["num_requests_waiting_frontend"] = self._num_waiting
+        return result
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block that no request is using; True when the cache was reset."""
+        return bool(await self.client.call_utility("reset_prefix_cache"))
+
+    async def kv_block_states(self) -> list[int]:
+        """The core's per-block states (for debugging and tests)."""
+        return list(await self.client.call_utility("kv_block_states"))
+
+    async def shutdown(self, drain_timeout_s: float = 0) -> None:
+        """Stop admitting; let in-flight requests finish for up to `drain_timeout_s`; fail the rest
+        with EngineDead; stop the core. Idempotent."""
+        first = not self._draining
+        self._draining = True
+        if first and drain_timeout_s > 0 and self._requests and not self.is_dead:
+            logger.info("draining %d in-flight requests (up to %.1f s)", len(self._requests), drain_timeout_s)
+            try:
+                await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
+            except TimeoutError:
+                logger.warning("%d requests still in flight after the drain timeout", len(self._requests))
+        self._fail_all(EngineDead("the server shut down before the request finished"))
+        if self._client is not None:
+            await self._client.shutdown()
+
+
+async def _load_tokenizer_beside(model: str, client_task: asyncio.Future[EngineCoreClient]) -> Tokenizer:
+    """Load the tokenizer while the core starts; if it fails, shut the core down before raising."""
+    tokenizer_task = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, model))
+    both: set[asyncio.Future[Any]] = {tokenizer_task, client_task}
+    try:
+        await asyncio.wait(both)
+    except asyncio.CancelledError:
+        client_task.cancel()
+        raise
+    error = tokenizer_task.exception()
+    if error is None:
+        return tokenizer_task.result()
+    if client_task.exception() is None:
+        await client_task.result().shutdown(timeout_s=1.0)
+    raise error

@@ -1,0 +1,340 @@
+"""run_engine_core + EngineCoreClient with the FakeEngineCore, in process and thread mode.
+
+Every wait is on an event the code under test sets (an output, a death report), bounded by a
+timeout so that a bug fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from izh.config import EngineConfig
+from izh.errors import EngineDead, IzhError, ModelLoadError
+from izh.frontend.client import EngineCoreClient
+from izh.protocol import Abort, AddRequest, EngineOutput, EngineOutputs
+from izh.sampling_params import SamplingParams
+from tests.engine.fake_core import BAD_TOKEN, CRASH_TOKEN, FOREVER_TOKEN, HANG_TOKEN, write_options
+
+FAKE = "tests.engine.fake_core:FakeEngineCore"
+ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+
+def run(coro: Awaitable[T], timeout_s: float = 60.0) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout_s)
+
+    return asyncio.run(bounded())
+
+
+class Recorder:
+    """Collects what the client dispatches; tests await conditions on it."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, list[EngineOutput]] = {}
+        self.stats: list[Any] = []
+        self.dead: list[str] = []
+        self._changed = asyncio.Event()
+
+    def on_outputs(self, msg: EngineOutputs) -> None:
+        for eo in msg.outputs:
+            self.outputs.setdefault(eo.request_id, []).append(eo)
+        if msg.stats is not None:
+            self.stats.append(msg.stats)
+        self._changed.set()
+
+    def on_dead(self, reason: str) -> None:
+        self.dead.append(reason)
+        self._changed.set()
+
+    async def until(self, condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
+        async def wait() -> None:
+            while not condition():
+                self._changed.clear()
+                await self._changed.wait()
+
+        await asyncio.wait_for(wait(), timeout_s)
+
+    def finished(self, request_id: str) -> EngineOutput | None:
+        outputs = self.outputs.get(request_id, [])
+        return outputs[-1] if outputs and outputs[-1].finish_reason is not None else None
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for eo in self.outputs.get(request_id, []) for t in eo.new_token_ids]
+
+
+def model_dir(tmp_path: Path, **options: object) -> str:
+    write_options(tmp_path, **options)
+    return str(tmp_path)
+
+
+async def start(
+    tmp_path: Path, mode: str, recorder: Recorder, *, factory: str = FAKE, **options: Any
+) -> EngineCoreClient:
+    heartbeat = {k: options.pop(k) for k in ("heartbeat_interval_s", "heartbeat_timeout_s") if k in options}
+    config = EngineConfig(model=model_dir(tmp_path, **options))
+    return await EngineCoreClient.start(
+        config,
+        on_outputs=recorder.on_outputs,
+        on_dead=recorder.on_dead,
+        core_mode=mode,
+        core_factory=factory,
+        ready_timeout_s=60.0,
+        **heartbeat,
+    )
+
+
+def add(request_id: str, prompt: list[int], **params: Any) -> AddRequest:
+    return AddRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(**params),
+        arrival_time=time.time(),
+    )
+
+
+def assert_gone(pid: int) -> None:
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+modes = pytest.mark.parametrize("mode", ["process", "thread"])
+
+
+@modes
+def test_ready_outputs_and_utilities(tmp_path: Path, mode: str) -> None:
+    async def body() -> None:
+        recorder = Recorder()
+        client = await start(tmp_path, mode, recorder, max_model_len=128)
+        try:
+            assert client.ready is not None
+            assert (client.ready.max_model_len, client.ready.vocab_size) == (128, 1000)
+            client.send(add("a", [5, 6, 7]))
+            client.send(add("b", [8, 9], max_tokens=1))
+            await recorder.until(lambda: bool(recorder.finished("a") and recorder.finished("b")))
+            assert recorder.tokens("a") == [5, 6, 7] and recorder.tokens("b") == [8]
+            assert recorder.finished("a").finish_reason == "length"  # type: ignore[union-attr]
+            first = recorder.outputs["a"][0]
+            assert first.num_prompt_tokens == 3 and first.queued_ts > 0
+            assert await client.call_utility("ping") == "pong"
+            stats = await client.call_utility("stats")
+            assert stats["num_running"] == 0 and stats["num_generation_tokens"] == 4
+            assert await client.call_utility("reset_prefix_cache") is True
+            assert await client.call_utility("kv_block_states") == [0] * 64
+            with pytest.raises(IzhError, match="unknown utility method"):
+                await client.call_utility("no_such_method")
+            # Going idle always attaches the scheduler stats.
+            assert recorder.stats and recorder.stats[-1].num_running == 0
+        finally:
+            await client.shutdown()
+        assert not client.is_dead and recorder.dead == []
+
+    run(body())
+
+
+@modes
+def test_abort_frees_the_request(tmp_path: Path, mode: str) -> None:
+    async def body() -> None:
+        recorder = Recorder()
+        client = await start(tmp_path, mode, recorder, step_delay_s=0.005)
+        try:
+            client.send(add("forever", [FOREVER_TOKEN, 1], max_tokens=None))
+            await recorder.until(lambda: len(recorder.tokens("forever")) >= 3)
+            assert await client.call_utility("kv_block_states") != [0] * 64
+            client.send(Abort(["forever", "unknown"]))
+            await recorder.until(lambda: recorder.finished("forever") is not None)
+            assert recorder.finished("forever").finish_reason == "abort"  # type: ignore[union-attr]
+            assert await client.call_utility("kv_block_states") == [0] * 64
+        finally:
+            await client.shutdown()
+
+    run(body())
+
+
+@modes
+def test_a_bad_request_fails_alone(tmp_path: Path, mode: str) -> None:
+    async def body() -> None:
+        recorder = Recorder()
+        client = await start(tmp_path, mode, recorder)
+        try:
+            client.send(add("good", [1, 2, 3, 4]))
+            client.send(add("bad", [1, BAD_TOKEN]))
+            invalid = add("invalid", [1, 2])
+            invalid.sampling_params.temperature = -1.0  # rejected when the core decodes it
+            client.send(invalid)
+            await recorder.until(lambda: all(recorder.finished(r) for r in ("good", "bad", "invalid")))
+            bad = recorder.finished("bad")
+            assert bad is not None and bad.finish_reason == "error" and bad.error_code == 400
+            assert bad.error is not None and "forbidden token" in bad.error
+            rejected = recorder.finished("invalid")
+            assert rejected is not None and rejected.finish_reason == "error" and rejected.error_code == 400
+            assert rejected.error is not None and "temperature" in rejected.error
+            assert recorder.tokens("good") == [1, 2, 3, 4]
+            assert not client.is_dead
+        finally:
+            await client.shutdown()
+
+    run(body())
+
+
+@modes
+def test_step_exception_sends_dead_and_fails_calls(tmp_path: Path, mode: str) -> None:
+    async def body() -> None:
+        recorder = Recorder()
+        client = await start(tmp_path, mode, recorder)
+        try:
+            client.send(add("crash", [1, CRASH_TOKEN]))
+            await recorder.until(lambda: bool(recorder.dead))
+            assert client.is_dead
+            assert recorder.dead == [client.dead_reason]
+            assert "step() failed" in recorder.dead[0] and "fake CUDA error" in recorder.dead[0]
+            with pytest.raises(EngineDead):
+                client.send(add("after", [1]))
+            with pytest.raises(EngineDead):
+                await client.call_utility("ping")
+            exit_code = await client._core_exited
+            assert exit_code == 1
+        finally:
+            await client.shutdown()
+
+    run(body())
+
+
+def test_sigkill_is_detected_by_the_sentinel(tmp_path: Path) -> None:
+    async def body() -> None:
+        recorder = Recorder()
+        client = await start(tmp_path, "process", recorder)
+        try:
+            assert client.core_pid is not None
+            os.kill(client.core_pid, signal.SIGKILL)
+            await recorder.until(lambda: bool(recorder.dead))
+            assert client.is_dead and "SIGKILL" in (client.dead_reason or "")
+        finally:
+            await client.shutdown()
+
+    run(body())
+
+
+def test_sigterm_ends_the_core_in_order(tmp_path: Path) -> None:
+    async def body() -> None:
+        recorder = Recorder()
+        client = await start(tmp_path, "process", recorder)
+        try:
+            assert client.core_pid is not None
+            os.kill(client.core_pid, signal.SIGTERM)
+            await recorder.until(lambda: bool(recorder.dead))
+            assert "exit code 143" in (client.dead_reason or "")
+        finally:
+            await client.shutdown()
+
+    run(body())
+
+
+def test_hung_core_is_caught_by_the_heartbeat(tmp_path: Path) -> None:
+    async def body() -> None:
+        recorder = Recorder()
+        client = await start(
+            tmp_path, "process", recorder, heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5
+        )
+        try:
+            client.send(add("hang", [1, HANG_TOKEN]))
+            await recorder.until(lambda: bool(recorder.dead))
+            assert "heartbeat" in (client.dead_reason or "")
+            pid = client.core_pid
+        finally:
+            await client.shutdown(timeout_s=0.5)  # it cannot read Shutdown: terminated
+        assert pid is not None
+        assert_gone(pid)
+
+    run(body())
+
+
+@modes
+def test_failed_startup_raises_the_reason(tmp_path: Path, mode: str) -> None:
+    async def body() -> None:
+        with pytest.raises(ModelLoadError, match="no weights in /nowhere"):
+            await start(tmp_path, mode, Recorder(), fail_load="no weights in /nowhere")
+        with pytest.raises(ModelLoadError, match="ModuleNotFoundError"):
+            await start(tmp_path, mode, Recorder(), factory="tests.engine.no_such_module:Core")
+
+    run(body())
+    assert multiprocessing.active_children() == []
+
+
+def test_shutdown_leaves_no_process_and_no_files(tmp_path: Path) -> None:
+    async def body() -> None:
+        recorder = Recorder()
+        client = await start(tmp_path, "process", recorder)
+        pid = client.core_pid
+        ipc_dir = Path(client.input_addr.removeprefix("ipc://")).parent
+        assert pid is not None and ipc_dir.is_dir()
+        client.send(add("a", [1, 2]))
+        await client.shutdown()
+        await client.shutdown()  # idempotent
+        assert_gone(pid)
+        assert not ipc_dir.exists()
+        assert not client.is_dead and recorder.dead == []
+        with pytest.raises(EngineDead):
+            client.send(add("b", [1]))
+
+    run(body())
+    assert multiprocessing.active_children() == []
+
+
+def test_core_exits_when_the_frontend_is_killed(tmp_path: Path) -> None:
+    """A frontend killed with SIGKILL cannot shut its core down: the core must notice and exit."""
+    script = textwrap.dedent(
+        f"""
+        import asyncio, os, signal, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from izh.config import EngineConfig
+        from izh.frontend.client import EngineCoreClient
+
+        async def main():
+            client = await EngineCoreClient.start(
+                EngineConfig(model={str(tmp_path)!r}), on_outputs=print, on_dead=print,
+                core_factory={FAKE!r})
+            print(client.input_addr, client.core_pid, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        asyncio.run(main())
+        """
+    )
+    write_options(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    input_addr, pid_text = proc.stdout.strip().splitlines()[-1].split()
+    core_pid = int(pid_text)
+    ipc_dir = Path(input_addr.removeprefix("ipc://")).parent
+    try:
+        pidfd = os.pidfd_open(core_pid)
+    except ProcessLookupError:
+        pidfd = None  # already gone
+    if pidfd is not None:
+        try:
+            readable, _, _ = select.select([pidfd], [], [], 20.0)
+            assert readable, f"EngineCore {core_pid} outlived its frontend"
+        finally:
+            os.close(pidfd)
+            if not readable:
+                os.kill(core_pid, signal.SIGKILL)
+    assert not ipc_dir.exists()  # the core removed the frontend's socket dir on its way out
+
+
+def test_options_file_round_trip(tmp_path: Path) -> None:
+    write_options(tmp_path, step_delay_s=0.5)
+    assert json.loads((tmp_path / "fake_core.json").read_text()) == {"step_delay_s": 0.5}
