@@ -92,6 +92,9 @@ class RequestState:
     stop: list[str]
     include_stop_str_in_output: bool
     min_tokens: int
+    stop_token_ids: frozenset[int]
+    """The ids whose sampling ends the request as "stop" without being text: EOS (unless
+    ignore_eos) and stop_token_ids. A grammar's last token also ends it as "stop", but is text."""
     want_logprobs: bool
     window_len: int
     """max stop length - 1: how far back a stop string completed by new text can start."""
@@ -131,6 +134,8 @@ class OutputProcessor:
             stop=stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
             min_tokens=params.min_tokens,
+            stop_token_ids=frozenset(params.stop_token_ids)
+            | (frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids),
             want_logprobs=params.logprobs is not None,
             window_len=max(map(len, stop)) - 1 if stop else 0,
             metrics=RequestMetrics(
@@ -158,8 +163,13 @@ class OutputProcessor:
         finish_reason = eo.finish_reason
         stop_reason = eo.stop_reason
         # A stop token (EOS or a stop_token_id) is not part of the text (vLLM), unless asked for.
-        stop_terminated = finish_reason == "stop" and not state.include_stop_str_in_output
-        decode_ids = token_ids[:-1] if stop_terminated and token_ids else token_ids
+        stop_terminated = (
+            finish_reason == "stop"
+            and not state.include_stop_str_in_output
+            and bool(token_ids)
+            and token_ids[-1] in state.stop_token_ids
+        )
+        decode_ids = token_ids[:-1] if stop_terminated else token_ids
         if finish_reason is not None:
             # The last output also flushes a character left incomplete (as U+FFFD, like decode()).
             delta = state.detokenizer.add(decode_ids, finished=True)
