@@ -33,3 +33,5 @@ class EngineConfig:
     """torch intra-op threads on CPU; None keeps torch's default."""
     enforce_eager: bool = False
     """Disable CUDA graphs."""
+    attention_backend: str = "auto"
+    """auto | torch_paged | triton_paged: auto takes Triton on CUDA (when installed), torch elsewhere."""

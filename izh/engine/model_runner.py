@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,10 +17,13 @@ from izh.engine.guided import GrammarManager, apply_bitmask
 from izh.engine.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 from izh.engine.scheduler import ScheduledRequest, SchedulerOutput
 from izh.errors import ModelLoadError
-from izh.model.attention import AttentionMetadata
+from izh.model.attention import AttentionMetadata, get_attention_backend
 from izh.model.config import ModelConfig
 from izh.model.loader import load_model
 from izh.protocol import TokenLogprobs
+
+if TYPE_CHECKING:
+    from izh.kernels.cuda_graphs import DecodeGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +98,9 @@ class ModelRunner:
         self.num_blocks = self._resolve_num_blocks()
         self.kv_caches = self._allocate_kv_caches()
         self.model.bind_kv_caches(self.kv_caches)
+        self.attention_backend = self._resolve_attention_backend(config.attention_backend)
+        self.model.paged_backend = get_attention_backend(self.attention_backend)
+        self.graph_runner = self._make_graph_runner()
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
 
@@ -110,6 +117,37 @@ class ModelRunner:
                 f"({model_len} tokens); lower --max-model-len"
             )
         return config.max_model_len
+
+    def _resolve_attention_backend(self, name: str) -> str:
+        if name != "auto":
+            return name
+        if self.device.type == "cuda":
+            from izh.kernels import is_available
+
+            if is_available():
+                return "triton_paged"
+            logger.warning("triton is not installed: attention runs in plain torch (pip install 'izh[gpu]')")
+        return "torch_paged"
+
+    def _make_graph_runner(self) -> DecodeGraphRunner | None:
+        """CUDA graphs for decode batches: on CUDA with the (graph-safe) Triton backend, unless eager."""
+        if (
+            self.device.type != "cuda"
+            or self.config.enforce_eager
+            or self.attention_backend != "triton_paged"
+        ):
+            return None
+        from izh.kernels.cuda_graphs import DecodeGraphRunner
+
+        runner = DecodeGraphRunner(
+            self.model,
+            max_num_seqs=self.config.max_num_seqs,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            block_size=self.block_size,
+            device=self.device,
+        )
+        runner.capture()
+        return runner
 
     def kv_bytes_per_block(self) -> int:
         mc = self.model_config
@@ -156,7 +194,10 @@ class ModelRunner:
         input_ids, positions, attn_metadata = self._prepare_inputs(scheduled)
         sample_rows, prompt_rows = self._select_rows(scheduled, attn_metadata)
         start = time.perf_counter()
-        hidden = self.model(input_ids, positions, attn_metadata)  # [num_tokens, hidden_size]
+        if self.graph_runner is not None and self.graph_runner.can_run(attn_metadata):
+            hidden = self.graph_runner.run(input_ids, positions, attn_metadata)
+        else:
+            hidden = self.model(input_ids, positions, attn_metadata)  # [num_tokens, hidden_size]
         logits_rows = [i for _, i in sample_rows]
         for _, token_rows, _ in prompt_rows:
             logits_rows.extend(token_rows)
@@ -205,6 +246,8 @@ class ModelRunner:
             block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
+            query_lens_list=query_lens.tolist(),
+            seq_lens_list=seq_lens.tolist(),
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         return input_ids, torch.from_numpy(positions).to(dev), attn_metadata

@@ -382,9 +382,52 @@ def _causal_mask(
     return mask.unsqueeze(1).repeat(1, 1, group, 1) if max_q > 1 else mask.unsqueeze(1)
 
 
+class TritonPagedAttentionBackend(AttentionBackend):
+    """Paged KV cache through izh.kernels' Triton kernels (CUDA; or Triton's CPU interpreter in tests).
+
+    Graph-safe: no host syncs and no launch decision read from tensor values, so decode steps can be
+    captured in CUDA graphs.
+    """
+
+    name = "triton_paged"
+
+    def __init__(self) -> None:
+        try:
+            from izh.kernels import paged_attention
+        except ImportError as exc:  # triton missing: say how to get it
+            raise ModelLoadError(
+                f"the triton_paged attention backend needs triton ({exc}); pip install 'izh[gpu]'"
+            ) from exc
+        self._kernels = paged_attention
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor | None,
+        attn_metadata: AttentionMetadata,
+        scale: float,
+    ) -> Tensor:
+        if kv_cache is None:
+            raise ValueError("the paged backend needs a bound KV cache")
+        self._kernels.write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        return self._kernels.paged_attention(
+            query,
+            kv_cache,
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            attn_metadata.block_tables,
+            scale,
+            attn_metadata.max_query_len,
+            attn_metadata.max_seq_len,
+        )
+
+
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
     ReferenceAttentionBackend.name: ReferenceAttentionBackend,
     PagedTorchAttentionBackend.name: PagedTorchAttentionBackend,
+    TritonPagedAttentionBackend.name: TritonPagedAttentionBackend,
 }
 
 
