@@ -1,7 +1,8 @@
 """POST /v1/completions: text or token-id prompts (one or a batch), n samples each, stream or not.
 
 Choice `index` = prompt_index * n + sample_index. With `echo`, each choice starts with its prompt
-(and, with logprobs, the prompt's logprobs; the first prompt token has none).
+(and, with logprobs, the prompt's logprobs; the first prompt token has none). Output constraints
+(structured_outputs, guided_*, response_format) apply to every choice's completion.
 """
 
 from __future__ import annotations
@@ -31,22 +32,24 @@ from izh.api.serving import (
     api_state,
     append_completion_logprobs,
     build_sampling_params,
+    check_constraint,
     check_model,
     check_prompt_token_ids,
     check_serving,
-    check_unsupported,
     json_response,
     merge_outputs,
     prompt_logprobs_json,
     read_json,
     request_id_of,
+    requested_constraints,
     resolve_max_tokens,
+    single_constraint,
     until_disconnected,
 )
 from izh.api.sse import SSEResponse, data_event, sse_stream
 from izh.errors import InvalidRequest
 from izh.frontend.output_processor import RequestOutput
-from izh.sampling_params import SamplingParams
+from izh.sampling_params import SamplingParams, StructuredOutputsParams
 from izh.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -96,7 +99,6 @@ async def encode_prompts(
 
 
 def check_completion_request(body: CompletionRequest) -> None:
-    check_unsupported(body)
     if body.suffix is not None:
         raise InvalidRequest("suffix is not supported", param="suffix", code="unsupported")
     if body.best_of is not None and body.best_of != body.n:
@@ -130,6 +132,7 @@ async def create_completion(request: Request) -> Response:
     body = await read_json(request, CompletionRequest)
     check_model(state, body.model)
     check_completion_request(body)
+    constraint = single_constraint(requested_constraints(body))
     llm = state.llm
     vocab_size = llm.ready.vocab_size
     prompts = await encode_prompts(
@@ -139,7 +142,13 @@ async def create_completion(request: Request) -> Response:
         echo=body.echo,
         vocab_size=vocab_size,
     )
-    params = [_sampling_params(state, body, prompt, i, len(prompts)) for i, prompt in enumerate(prompts)]
+    if constraint is not None:
+        await check_constraint(state, constraint)
+    structured_outputs = constraint.spec if constraint is not None else None
+    params = [
+        _sampling_params(state, body, prompt, i, len(prompts), structured_outputs)
+        for i, prompt in enumerate(prompts)
+    ]
     request_id = request_id_of(request)
     options = body.stream_options
     ctx = CompletionContext(
@@ -180,7 +189,12 @@ def _abort_all(children: list[Child]) -> None:
 
 
 def _sampling_params(
-    state: ApiState, body: CompletionRequest, prompt: Prompt, index: int, num_prompts: int
+    state: ApiState,
+    body: CompletionRequest,
+    prompt: Prompt,
+    index: int,
+    num_prompts: int,
+    structured_outputs: StructuredOutputsParams | None,
 ) -> SamplingParams:
     max_tokens = resolve_max_tokens(
         body.max_tokens,
@@ -201,6 +215,7 @@ def _sampling_params(
         max_tokens=max_tokens,
         logprobs=body.logprobs,
         prompt_logprobs=prompt_logprobs,
+        structured_outputs=structured_outputs,
     )
     params.validate(state.llm.ready.vocab_size)
     return params

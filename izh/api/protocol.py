@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import pydantic
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_serializer
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
@@ -150,6 +150,42 @@ class StreamOptions(RequestBase):
     continuous_usage_stats: bool | None = False
 
 
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` object: exactly one of json, regex, choice, grammar, json_object.
+
+    Unknown keys are kept (not ignored) so that a constraint izh does not implement is refused by
+    name instead of silently producing unconstrained output.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    json_: dict[str, Any] | StrictBool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(RequestBase):
+    """`response_format.json_schema`: OpenAI's named schema (izh always enforces it strictly)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | StrictBool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestBase):
+    """OpenAI's `response_format`: text, json_object or json_schema.
+
+    `schema` beside type json_object is llama.cpp's spelling of a schema, accepted too.
+    """
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | StrictBool | None = Field(default=None, alias="schema")
+
+
 class SamplingFields(RequestBase):
     """The sampling fields chat and completions share: OpenAI's, then vLLM's extensions."""
 
@@ -179,13 +215,13 @@ class SamplingFields(RequestBase):
     priority: Int64 = 0
     cache_salt: str | None = None
     prompt_logprobs: int | None = None
-    # Structured outputs come with a later release: accepted by the parser so that we can refuse
-    # them by name (a silently unconstrained answer would be worse than a 400).
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: Any = None
+    # Structured outputs: vLLM's object, its older guided_* fields, and OpenAI's response_format.
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | StrictBool | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 # --- /v1/completions ----------------------------------------------------------------------------
@@ -296,11 +332,6 @@ class NamedToolChoice(RequestBase):
     function: NamedToolChoiceFunction
 
 
-class ResponseFormat(RequestBase):
-    type: str
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
     max_completion_tokens: int | None = None
@@ -309,7 +340,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     # vLLM's chat extensions.
     echo: bool = False
     add_generation_prompt: bool | None = None
@@ -379,6 +409,31 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    """A streamed piece of a call's function: the name once, then argument fragments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of tool call `index`: the first carries id, type and function.name, the
+    later ones only argument fragments that concatenate to the arguments' JSON."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class DeltaMessage(BaseModel):
     """A streamed piece of the message: only the keys that carry something are sent."""
 
@@ -386,6 +441,7 @@ class DeltaMessage(BaseModel):
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:

@@ -5,15 +5,19 @@ fan-out of n x prompts into admitted child requests, merging their streams, logp
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+import llguidance
 import msgspec
+from llguidance.gbnf_to_lark import any_to_lark
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
@@ -23,15 +27,20 @@ from izh.api.protocol import (
     CompletionLogprobs,
     PromptTokensDetails,
     RequestModel,
+    ResponseFormat,
     SamplingFields,
+    StructuredOutputsRequest,
     TopLogprob,
     UsageInfo,
     parse_body,
 )
 from izh.errors import ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound, Overloaded
-from izh.sampling_params import SamplingParams
+from izh.guided_spec import build_ll_tokenizer, json_compile_options, lark_literal, validate_spec
+from izh.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from llguidance import LLTokenizer
+
     from izh.api.metrics import PrometheusStatLogger
     from izh.frontend.async_llm import AsyncLLM, RequestStream
     from izh.frontend.output_processor import PositionLogprobs, RequestOutput
@@ -62,6 +71,11 @@ class ApiState:
     metrics: PrometheusStatLogger
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     created: int = 0
+    tool_call_parser: str = "auto"
+    """The configured tool-call parser name ("auto": from the chat template; "none": no parsing)."""
+    ll_tokenizer: LLTokenizer | None = None
+    """llguidance's view of the tokenizer, built on the first structured request (see ll_tokenizer)."""
+    ll_tokenizer_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 def api_state(request: Request) -> ApiState:
@@ -162,6 +176,7 @@ def build_sampling_params(
     max_tokens: int,
     logprobs: int | None,
     prompt_logprobs: int | None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """SamplingParams for `body`: the request's values, else the model's defaults, else vLLM's.
 
@@ -183,6 +198,7 @@ def build_sampling_params(
         "logit_bias": dict(body.logit_bias) if body.logit_bias else None,
         "skip_special_tokens": body.skip_special_tokens,
         "spaces_between_special_tokens": body.spaces_between_special_tokens,
+        "structured_outputs": structured_outputs,
     }
     for key in _GENERATION_CONFIG_KEYS:
         value = getattr(body, key)
@@ -193,11 +209,223 @@ def build_sampling_params(
     return SamplingParams(**values)
 
 
-def check_unsupported(body: SamplingFields) -> None:
-    """Structured outputs come in a later release: refuse them rather than answer unconstrained."""
-    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        if getattr(body, name) is not None:
-            raise InvalidRequest(f"{name} is not supported yet", param=name, code="unsupported")
+# --- structured outputs ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """One output constraint of a request, and the request field it came from (named in 400s)."""
+
+    spec: StructuredOutputsParams
+    param: str
+
+
+# vLLM structured_outputs keys that only choose a backend or loosen whitespace: ignoring them never
+# lets unconstrained output through. Any other unknown key is refused by name.
+_IGNORED_STRUCTURED_KEYS = frozenset({"backend", "disable_fallback", "disable_any_whitespace"})
+
+
+def _spec(param: str, **fields: Any) -> StructuredOutputsParams:
+    """A validated spec whose errors name `param` (the field the client actually sent)."""
+    try:
+        return StructuredOutputsParams(**fields)
+    except InvalidRequest as exc:
+        raise InvalidRequest(exc.message.replace("structured_outputs", param), param=param) from None
+
+
+def _schema_text(schema: dict[str, Any] | bool | str, param: str) -> str:
+    """A schema as JSON text: a string is taken as JSON text already (vLLM accepts both)."""
+    if isinstance(schema, str):
+        return schema
+    try:
+        return json.dumps(schema, ensure_ascii=False, allow_nan=False)
+    except ValueError as exc:
+        raise InvalidRequest(f"{param}: the schema is not valid JSON: {exc}", param=param) from None
+
+
+def _response_format_spec(fmt: ResponseFormat) -> StructuredOutputsParams | None:
+    param = "response_format"
+    if fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        if fmt.schema_ is not None:  # llama.cpp's {"type": "json_object", "schema": {...}}
+            return _spec(param, json=_schema_text(fmt.schema_, param))
+        return _spec(param, json_object=True)
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise InvalidRequest(
+                'response_format of type "json_schema" needs json_schema.schema', param=param
+            )
+        return _spec(param, json=_schema_text(fmt.json_schema.schema_, param))
+    raise InvalidRequest(
+        f"response_format type {fmt.type!r} is not supported; use text, json_object or json_schema",
+        param=param,
+        code="unsupported",
+    )
+
+
+def _structured_outputs_spec(request: StructuredOutputsRequest) -> StructuredOutputsParams:
+    param = "structured_outputs"
+    unknown = sorted(
+        key
+        for key, value in (request.model_extra or {}).items()
+        if value is not None and key not in _IGNORED_STRUCTURED_KEYS
+    )
+    if unknown:
+        raise InvalidRequest(
+            f"structured_outputs.{unknown[0]} is not supported; use one of json, regex, choice, "
+            "grammar, json_object",
+            param=param,
+            code="unsupported",
+        )
+    return _spec(
+        param,
+        json=None if request.json_ is None else _schema_text(request.json_, param),
+        regex=request.regex,
+        choice=request.choice,
+        grammar=request.grammar,
+        json_object=bool(request.json_object),
+    )
+
+
+def requested_constraints(body: SamplingFields) -> list[Constraint]:
+    """Every output constraint `body` asks for: response_format, structured_outputs, guided_*."""
+    found: list[Constraint] = []
+    if body.response_format is not None:
+        spec = _response_format_spec(body.response_format)
+        if spec is not None:
+            found.append(Constraint(spec, "response_format"))
+    if body.structured_outputs is not None:
+        found.append(Constraint(_structured_outputs_spec(body.structured_outputs), "structured_outputs"))
+    if body.guided_json is not None:
+        schema = _schema_text(body.guided_json, "guided_json")
+        found.append(Constraint(_spec("guided_json", json=schema), "guided_json"))
+    if body.guided_regex is not None:
+        found.append(Constraint(_spec("guided_regex", regex=body.guided_regex), "guided_regex"))
+    if body.guided_choice is not None:
+        found.append(Constraint(_spec("guided_choice", choice=body.guided_choice), "guided_choice"))
+    if body.guided_grammar is not None:
+        found.append(Constraint(_spec("guided_grammar", grammar=body.guided_grammar), "guided_grammar"))
+    return found
+
+
+def single_constraint(constraints: list[Constraint]) -> Constraint | None:
+    """The request's one constraint; two at once are a 400 (which should win is not ours to guess)."""
+    if len(constraints) > 1:
+        names = " and ".join(constraint.param for constraint in constraints)
+        raise InvalidRequest(
+            f"only one output constraint per request is supported, got {names}", param=constraints[1].param
+        )
+    return constraints[0] if constraints else None
+
+
+async def ll_tokenizer(state: ApiState) -> LLTokenizer:
+    """llguidance's tokenizer for the served model, built once (off the event loop) and cached."""
+    if state.ll_tokenizer is None:
+        async with state.ll_tokenizer_lock:
+            if state.ll_tokenizer is None:
+                llm = state.llm
+                try:
+                    state.ll_tokenizer = await asyncio.to_thread(
+                        build_ll_tokenizer, llm.tokenizer, llm.ready.vocab_size
+                    )
+                except ValueError as exc:
+                    raise InvalidRequest(
+                        f"structured outputs are not available for this model: {exc}", code="unsupported"
+                    ) from None
+    return state.ll_tokenizer
+
+
+async def check_constraint(state: ApiState, constraint: Constraint) -> None:
+    """400 naming the problem unless the engine can enforce `constraint` (grammars are compiled
+    off the event loop; results are cached by spec)."""
+    tokenizer = await ll_tokenizer(state)
+    await asyncio.to_thread(validate_spec, constraint.spec, tokenizer, param=constraint.param)
+
+
+# --- constraining only the answer of a reasoning model ----------------------------------------------
+
+# The reasoning: free text up to and including the first `</think>` (a lazy lexeme stops there).
+_THINK_RULES = "\n".join(
+    [
+        r"izh_think[lazy]: /(.|\n)*<\/think>/",
+        r"IZH_GAP: /[ \t\r\n]{1,8}/",
+    ]
+)
+_LARK_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+_LARK_TOKEN_REFERENCE = re.compile(r"<[^<>\s]+>")
+
+
+def answer_only(constraint: Constraint, *, in_reasoning: bool) -> Constraint:
+    """`constraint` applied to the answer after a `<think>...</think>` block, the reasoning left free.
+
+    `in_reasoning`: the prompt left a `<think>` open, so the output must first close it. Otherwise
+    the output may open (and close) a think block before the answer, as the reasoning parser
+    allows. Returns a Lark grammar: the answer rule, then the think rules.
+    """
+    spec = constraint.spec
+    if in_reasoning:
+        start = "start: izh_think IZH_GAP? izh_answer"
+    else:
+        start = 'start: (IZH_GAP? "<think>" izh_think IZH_GAP?)? izh_answer'
+    grammar = "\n".join([_answer_rules(spec), start, _THINK_RULES]) + "\n"
+    return Constraint(StructuredOutputsParams(grammar=grammar), constraint.param)
+
+
+def _answer_rules(spec: StructuredOutputsParams) -> str:
+    """Lark rules defining `izh_answer` as what `spec` accepts."""
+    if spec.json is not None or spec.json_object:
+        schema = json.loads(spec.json) if spec.json is not None else {"type": "object"}
+        if schema is True:
+            schema = {}
+        # The same options as a plain JSON spec (guided_spec.json_compile_options), inline.
+        schema = {**schema, "x-guidance": dict(json_compile_options())}
+        return f"izh_answer: %json {json.dumps(schema, ensure_ascii=False)}"
+    if spec.regex is not None:
+        return f"izh_answer: /{llguidance.regex_to_lark(spec.regex, '')}/"
+    if spec.choice is not None:
+        return "izh_answer: " + " | ".join(lark_literal(choice) for choice in spec.choice)
+    assert spec.grammar is not None
+    return rename_lark_rule(any_to_lark(spec.grammar), "start", "izh_answer")
+
+
+def rename_lark_rule(grammar: str, old: str, new: str) -> str:
+    """`grammar` with the rule name `old` renamed to `new` wherever it is a name: string literals,
+    regexes, comments and special-token references are left alone."""
+    out: list[str] = []
+    position = 0
+    while position < len(grammar):
+        char = grammar[position]
+        if char == '"' or (char == "/" and not grammar.startswith("//", position)):
+            end = _quoted_end(grammar, position)
+        elif char == "#" or grammar.startswith("//", position):
+            newline = grammar.find("\n", position)
+            end = len(grammar) if newline < 0 else newline
+        elif char == "<" and (token := _LARK_TOKEN_REFERENCE.match(grammar, position)):
+            end = token.end()
+        elif (name := _LARK_IDENTIFIER.match(grammar, position)) is not None:
+            out.append(new if name.group() == old else name.group())
+            position = name.end()
+            continue
+        else:
+            end = position + 1
+        out.append(grammar[position:end])
+        position = end
+    return "".join(out)
+
+
+def _quoted_end(text: str, start: int) -> int:
+    """The index after the literal opened by the quote at `start` (backslash escapes skipped)."""
+    quote = text[start]
+    position = start + 1
+    while position < len(text):
+        if text[position] == "\\":
+            position += 2
+        elif text[position] == quote:
+            return position + 1
+        else:
+            position += 1
+    return len(text)
 
 
 def check_prompt_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

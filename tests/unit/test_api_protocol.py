@@ -8,23 +8,46 @@ import json
 from typing import Any
 
 import httpx
+import llguidance
 import openai
 import pytest
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
+from izh.api.chat import ChoiceParsers, stream_deltas, supports_tools, template_messages, with_tools_prompt
+from izh.api.parsers import ThinkReasoningParser
 from izh.api.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatMessageParam,
     ChatStreamChoice,
     CompletionRequest,
     DeltaMessage,
+    NamedToolChoice,
     parse_body,
     to_izh_error,
 )
-from izh.api.serving import build_sampling_params, resolve_max_tokens, sampling_defaults
+from izh.api.serving import (
+    Constraint,
+    answer_only,
+    build_sampling_params,
+    rename_lark_rule,
+    requested_constraints,
+    resolve_max_tokens,
+    sampling_defaults,
+    single_constraint,
+)
 from izh.errors import ContextLengthExceeded, InvalidRequest, IzhError, ModelNotFound, PayloadTooLarge
+from izh.frontend.tool_parsers import (
+    ContentDelta,
+    HermesToolParser,
+    ToolCallDelta,
+    collect,
+    tool_call_grammar,
+)
+from izh.guided_spec import compile_grammar, validate_spec
+from izh.sampling_params import StructuredOutputsParams
 
 # --- what the official client sends -------------------------------------------------------------
 
@@ -135,6 +158,11 @@ def _parse(body: bytes | dict[str, Any], model: Any = ChatCompletionRequest, lim
         ({"messages": [{"role": "user", "content": "x"}], "temperature": [1]}, "temperature"),
         ({"messages": [{"role": "user", "content": "x"}], "stream": "perhaps"}, "stream"),
         ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": "big"}}, "logit_bias.1"),
+        ({"messages": [{"role": "user", "content": "x"}], "guided_json": 1}, "guided_json"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": 1}},
+            "response_format.type",
+        ),
     ],
 )
 def test_wrong_types_are_invalid_requests_naming_the_field(body: dict[str, Any], param: str) -> None:
@@ -344,3 +372,304 @@ def test_guard_checks_keys_and_declared_body_size() -> None:
         == 200
     )
     assert replies["too-big"].status_code == 413
+
+
+# --- structured outputs: what a request asks for ---------------------------------------------------
+
+
+def _chat_body(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **fields})
+
+
+def test_openai_client_response_format_and_tools_parse() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    bodies = _captured_bodies(
+        lambda c: c.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "x"}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": schema, "strict": True},
+            },
+            tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}],
+            tool_choice={"type": "function", "function": {"name": "f"}},
+            parallel_tool_calls=False,
+        )
+    )
+    body = ChatCompletionRequest.model_validate(bodies[0])
+    assert body.response_format is not None and body.response_format.json_schema is not None
+    assert body.response_format.json_schema.schema_ == schema and body.response_format.json_schema.strict
+    assert isinstance(body.tool_choice, NamedToolChoice) and body.tool_choice.function.name == "f"
+    assert body.parallel_tool_calls is False
+    [constraint] = requested_constraints(body)
+    assert constraint.param == "response_format" and json.loads(constraint.spec.json or "") == schema
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "expected"),
+    [
+        (
+            {"response_format": {"type": "json_object"}},
+            "response_format",
+            StructuredOutputsParams(json_object=True),
+        ),
+        (
+            {"response_format": {"type": "json_object", "schema": {"type": "array"}}},
+            "response_format",
+            StructuredOutputsParams(json='{"type": "array"}'),
+        ),
+        (
+            {"structured_outputs": {"json": {"type": "string"}}},
+            "structured_outputs",
+            StructuredOutputsParams(json='{"type": "string"}'),
+        ),
+        (
+            {"structured_outputs": {"json": '{"type":"string"}'}},
+            "structured_outputs",
+            StructuredOutputsParams(json='{"type":"string"}'),
+        ),
+        (
+            {"structured_outputs": {"regex": "a+", "backend": "xgrammar"}},
+            "structured_outputs",
+            StructuredOutputsParams(regex="a+"),
+        ),
+        (
+            {"structured_outputs": {"choice": ["a", "b"]}},
+            "structured_outputs",
+            StructuredOutputsParams(choice=["a", "b"]),
+        ),
+        (
+            {"structured_outputs": {"json_object": True}},
+            "structured_outputs",
+            StructuredOutputsParams(json_object=True),
+        ),
+        ({"guided_json": True}, "guided_json", StructuredOutputsParams(json="true")),
+        ({"guided_regex": "[0-9]"}, "guided_regex", StructuredOutputsParams(regex="[0-9]")),
+        ({"guided_choice": ["x"]}, "guided_choice", StructuredOutputsParams(choice=["x"])),
+        ({"guided_grammar": "start: /a/"}, "guided_grammar", StructuredOutputsParams(grammar="start: /a/")),
+    ],
+)
+def test_every_way_to_ask_for_a_constraint(
+    fields: dict[str, Any], param: str, expected: StructuredOutputsParams
+) -> None:
+    constraint = single_constraint(requested_constraints(_chat_body(**fields)))
+    assert constraint is not None and constraint.param == param and constraint.spec == expected
+
+
+def test_no_constraint_and_text_format() -> None:
+    assert requested_constraints(_chat_body()) == []
+    assert requested_constraints(_chat_body(response_format={"type": "text"})) == []
+    completion = CompletionRequest.model_validate({"prompt": "x", "guided_regex": "a"})
+    assert [c.param for c in requested_constraints(completion)] == ["guided_regex"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "problem"),
+    [
+        ({"response_format": {"type": "regex"}}, "response_format", "not supported"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
+        ({"structured_outputs": {"structural_tag": {"x": 1}}}, "structured_outputs", "structural_tag"),
+        ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+        ({"guided_choice": []}, "guided_choice", "guided_choice.choice"),
+        ({"guided_json": "[1,"}, "guided_json", "not valid JSON"),
+    ],
+)
+def test_bad_constraint_requests_name_their_field(fields: dict[str, Any], param: str, problem: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        requested_constraints(_chat_body(**fields))
+    assert info.value.param == param and problem in info.value.message
+
+
+def test_two_constraints_at_once_are_refused() -> None:
+    constraints = requested_constraints(_chat_body(guided_regex="a", structured_outputs={"choice": ["a"]}))
+    with pytest.raises(InvalidRequest, match="structured_outputs and guided_regex"):
+        single_constraint(constraints)
+
+
+# --- constraining only the answer of a reasoning model ---------------------------------------------
+
+_EOS = 256
+
+
+class _ByteTokenizer:
+    """One token per byte plus EOS: a matcher over it accepts exactly the grammar's strings."""
+
+    def __init__(self) -> None:
+        self.eos_token_id = _EOS
+        self.bos_token_id = None
+        self.tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+        self.special_token_ids = [_EOS]
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode())
+
+
+@pytest.fixture(scope="module")
+def ll_tokenizer() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()))
+
+
+def _accepts(tokenizer: llguidance.LLTokenizer, spec: StructuredOutputsParams, text: str) -> bool:
+    validate_spec(spec, tokenizer)
+    matcher = llguidance.LLMatcher(tokenizer, compile_grammar(spec), log_level=0)
+    return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+
+_SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": false}'
+
+
+def test_answer_only_leaves_an_open_think_block_free(ll_tokenizer: llguidance.LLTokenizer) -> None:
+    spec = answer_only(Constraint(StructuredOutputsParams(json=_SCHEMA), "p"), in_reasoning=True).spec
+    assert _accepts(ll_tokenizer, spec, 'free {"text"}\n</think>\n\n{"a": 1}')
+    assert _accepts(ll_tokenizer, spec, '</think>{"a":2}')
+    assert not _accepts(ll_tokenizer, spec, '{"a": 1}')  # the reasoning must close first
+    assert not _accepts(ll_tokenizer, spec, "thinking</think>not json")
+    assert not _accepts(ll_tokenizer, spec, 'a</think>b</think>{"a": 1}')  # one think block
+
+
+def test_answer_only_allows_an_optional_think_block(ll_tokenizer: llguidance.LLTokenizer) -> None:
+    spec = answer_only(Constraint(StructuredOutputsParams(json=_SCHEMA), "p"), in_reasoning=False).spec
+    assert _accepts(ll_tokenizer, spec, '{"a": 1}')
+    assert _accepts(ll_tokenizer, spec, '\n<think>\nhmm\n</think>\n{"a": 1}')
+    assert not _accepts(ll_tokenizer, spec, 'hmm</think>{"a": 1}')
+    assert not _accepts(ll_tokenizer, spec, "<think>hmm</think>nope")
+
+
+def test_answer_only_keeps_the_schema_strict(ll_tokenizer: llguidance.LLTokenizer) -> None:
+    unenforceable = StructuredOutputsParams(json='{"type": "object", "if": {}}')
+    with pytest.raises(InvalidRequest, match="if"):
+        validate_spec(answer_only(Constraint(unenforceable, "p"), in_reasoning=True).spec, ll_tokenizer)
+
+
+@pytest.mark.parametrize(
+    ("spec", "good", "bad"),
+    [
+        (StructuredOutputsParams(regex="a/b[0-9]{2}"), "a/b12", "a/b1"),
+        (StructuredOutputsParams(choice=["yes", 'say "hi"']), 'say "hi"', "ye"),
+        (StructuredOutputsParams(json_object=True), '{"k": [1]}', "[1]"),
+        (StructuredOutputsParams(grammar='root ::= "x" [0-9]+'), "x42", "x"),
+        (StructuredOutputsParams(grammar='start: item+\nitem: "start" | "s"  // start\n'), "startss", "st"),
+    ],
+)
+def test_answer_only_wraps_every_kind_of_spec(
+    ll_tokenizer: llguidance.LLTokenizer, spec: StructuredOutputsParams, good: str, bad: str
+) -> None:
+    wrapped = answer_only(Constraint(spec, "p"), in_reasoning=True).spec
+    assert _accepts(ll_tokenizer, wrapped, f"r</think>{good}")
+    assert not _accepts(ll_tokenizer, wrapped, f"r</think>{bad}")
+
+
+def test_forced_tool_calls_follow_the_reasoning(ll_tokenizer: llguidance.LLTokenizer) -> None:
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    spec = tool_call_grammar(tools, "required", False)
+    assert spec is not None
+    wrapped = answer_only(Constraint(spec, "tool_choice"), in_reasoning=False).spec
+    call = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    assert _accepts(ll_tokenizer, wrapped, f"<think>which tool?</think>\n{call}")
+    assert _accepts(ll_tokenizer, wrapped, call)
+    assert not _accepts(ll_tokenizer, wrapped, "<think>x</think>no call")
+
+
+def test_rename_lark_rule_touches_only_names() -> None:
+    grammar = (
+        'start: "start" /start\\/x/ start_2 <start_of_turn>  # start\n'
+        "start_2: start | item-start // start\n"
+        '%json {"start": 1}\n'
+    )
+    assert rename_lark_rule(grammar, "start", "top") == (
+        'top: "start" /start\\/x/ start_2 <start_of_turn>  # start\n'
+        "start_2: top | item-start // start\n"
+        '%json {"start": 1}\n'
+    )
+
+
+# --- tools in the prompt and in the output ----------------------------------------------------------
+
+
+def _messages(*items: dict[str, Any]) -> list[ChatMessageParam]:
+    return [ChatMessageParam.model_validate(item) for item in items]
+
+
+def test_tool_history_as_hermes_text() -> None:
+    messages = _messages(
+        {"role": "developer", "content": "Be brief."},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": '{"x": 1}'}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "g"}}]},
+    )
+    native = template_messages(messages)
+    assert native[1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}, "id": "c1"}
+    ]
+    assert [m["role"] for m in native] == ["system", "assistant", "tool", "tool", "assistant"]
+    hermes = template_messages(messages, hermes_tools=True)
+    assert hermes == [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "assistant",
+            "content": 'Checking.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>',
+        },
+        {
+            "role": "user",
+            "content": "<tool_response>\none\n</tool_response>\n<tool_response>\ntwo\n</tool_response>",
+        },
+        {"role": "assistant", "content": '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'},
+    ]
+    with_prompt = with_tools_prompt(hermes, "TOOLS")
+    assert (
+        with_prompt[0] == {"role": "system", "content": "Be brief.\n\nTOOLS"}
+        and hermes[0]["content"] == "Be brief."
+    )
+    assert with_tools_prompt(hermes[1:], "TOOLS")[0] == {"role": "system", "content": "TOOLS"}
+    assert supports_tools("{% for tool in tools %}{% endfor %}") and not supports_tools("{{ messages }}")
+
+
+def test_choice_parsers_split_reasoning_content_and_calls() -> None:
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    text = f"<think>plan</think>Sure.\n{call}\n{call}"
+    parsers = ChoiceParsers(reasoning=ThinkReasoningParser(), tools=HermesToolParser())
+    pieces = [parsers.feed(text[i : i + 5], finished=i + 5 >= len(text)) for i in range(0, len(text), 5)]
+    reasoning = "".join(piece[0] for piece in pieces)
+    content, calls = collect([delta for piece in pieces for delta in piece[1]])
+    assert reasoning == "plan" and content == "Sure."
+    assert [(c.name, c.arguments) for c in calls] == [("f", '{"x": 1}')] * 2
+    assert parsers.finish_reason("stop") == "tool_calls" and parsers.finish_reason("length") == "length"
+    one = ChoiceParsers(reasoning=None, tools=HermesToolParser(), forced=True, max_calls=1)
+    _, deltas = one.feed(f'{call}\n{call}\n<tool_call>\n{{"na', finished=True)
+    content, calls = collect(deltas)
+    assert content is None and len(calls) == 1  # the cut-off block is not shown as content
+    plain = ChoiceParsers(reasoning=None, tools=None)
+    assert (
+        plain.feed("hi", finished=True) == ("", [ContentDelta("hi")])
+        and plain.finish_reason("stop") == "stop"
+    )
+
+
+def test_tool_call_stream_deltas_carry_only_what_they_must() -> None:
+    messages = stream_deltas(
+        "why",
+        [
+            ContentDelta("a"),
+            ContentDelta("b"),
+            ToolCallDelta(0, id="call_1", type="function", name="f"),
+            ToolCallDelta(0, arguments='{"x": 1}'),
+            ContentDelta("c"),
+        ],
+    )
+    dumped = [json.loads(m.model_dump_json()) for m in messages]
+    assert dumped == [
+        {"content": "ab", "reasoning_content": "why", "reasoning": "why"},
+        {
+            "tool_calls": [
+                {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}
+            ]
+        },
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"x": 1}'}}]},
+        {"content": "c"},
+    ]
+    assert stream_deltas("", []) == []
