@@ -507,6 +507,15 @@ async def merge_outputs(children: list[Child]) -> AsyncIterator[tuple[Child, Req
     One pending read per child keeps each child's backpressure: outputs a slow client has not
     taken are merged by its RequestStream, never queued here.
     """
+    if len(children) == 1:
+        # The common case (one prompt, n = 1): no futures and no wait per token.
+        child = children[0]
+        try:
+            async for out in child.stream:
+                yield child, out
+        finally:
+            child.stream.abort()
+        return
     pending: dict[asyncio.Future[RequestOutput], Child] = {}
     try:
         for child in children:

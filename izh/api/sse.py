@@ -44,10 +44,12 @@ def error_event(exc: BaseException, request_id: str | None = None) -> bytes:
 
 
 async def with_keepalive(events: AsyncIterator[bytes], interval_s: float | None) -> AsyncIterator[bytes]:
-    """Yield `events`, and a keep-alive comment whenever none came for `interval_s` seconds.
+    """Yield `events`, and a keep-alive comment whenever none came for `interval_s` seconds before
+    the first one (a long queue or prefill is when proxies cut idle streams).
 
-    The next event is awaited in a task that survives the timeout (cancelling it would cancel the
-    underlying request); closing this generator cancels that task and closes `events`.
+    The first event is awaited in a task that survives the timeout (cancelling it would cancel the
+    underlying request); after it, events pass straight through: a task and a wait per token would
+    cost more than the rest of the per-token path. Closing this generator closes `events`.
     """
     if interval_s is None or interval_s <= 0:
         async for event in events:
@@ -67,6 +69,9 @@ async def with_keepalive(events: AsyncIterator[bytes], interval_s: float | None)
                 event = finished.result()
             except StopAsyncIteration:
                 return
+            yield event
+            break
+        async for event in events:
             yield event
     finally:
         if pending is not None:

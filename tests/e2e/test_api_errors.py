@@ -140,27 +140,6 @@ def test_a_10_mb_body_is_refused(server: ApiServer) -> None:
     _assert_healthy(server)
 
 
-def test_unsupported_features_are_refused_by_name(server: ApiServer) -> None:
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    for body, param in (
-        (_chat(tools=tools, tool_choice="required"), "tool_choice"),
-        (_chat(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
-        (_chat(response_format={"type": "json_object"}), "response_format"),
-        (_chat(structured_outputs={"regex": "a+"}), "structured_outputs"),
-        (_chat(guided_json={"type": "object"}), "guided_json"),
-    ):
-        error = _error(httpx.post(f"{server.url}/v1/chat/completions", json=body), 400)
-        assert error["param"] == param and "not supported yet" in error["message"]
-
-
-def test_tools_with_auto_are_rendered_through_the_template(server: ApiServer) -> None:
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    reply = httpx.post(
-        f"{server.url}/v1/chat/completions", json=_chat(tools=tools, tool_choice="auto"), timeout=60
-    )
-    assert reply.status_code == 200
-
-
 def test_unknown_model_and_routes(server: ApiServer) -> None:
     error = _error(httpx.post(f"{server.url}/v1/chat/completions", json=_chat(model="gpt-9")), 404)
     assert error["code"] == "model_not_found" and error["param"] == "model"
