@@ -220,3 +220,30 @@ def test_smollm2_chat_greedy_equals_transformers(smollm2_gguf: str, smollm2_hf_r
     assert out.prompt_token_ids == smollm2_hf_reference.prompt_ids
     assert out.outputs[0].token_ids == smollm2_hf_reference.greedy_tokens
     assert "Paris" in out.outputs[0].text
+
+
+def test_invariants_hold_after_every_step_under_preemption(tiny_llama_dir: str, llama: LLM) -> None:
+    small = _llm(tiny_llama_dir, max_model_len=96, kv_cache_memory_bytes=small_kv_bytes(llama, num_blocks=6))
+    core = small.engine_core
+    tokenizer = small.get_tokenizer()
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS[:10]):
+        ids = tokenizer.encode(prompt)[:60]
+        core.add_request(
+            AddRequest(request_id=f"r{i}", prompt_token_ids=ids, sampling_params=params, arrival_time=i)
+        )
+    finished = set()
+    steps = 0
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finish_reason is not None:
+                finished.add(out.request_id)
+        core.check_invariants()
+        core.scheduler.check_invariants()
+        steps += 1
+        if steps == 5:
+            core.abort_requests(["r3"])
+            finished.add("r3")
+    assert finished == {f"r{i}" for i in range(10)}
+    assert core.make_stats().num_preemptions > 0
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks
