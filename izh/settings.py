@@ -10,7 +10,8 @@ Sources, lowest precedence first:
 
 * the defaults below;
 * a TOML file (``--config FILE``) whose tables match the sections (``[model]``, ``[engine]``, ``[server]``,
-  ``[logging]``; see ``examples/config.toml``); unknown tables or keys are errors, so typos are caught;
+  ``[limits]``, ``[rate_limits]``, ``[logging]``; see ``examples/config.toml``); unknown tables or keys
+  are errors, so typos are caught;
 * environment variables ``IZH_<SECTION>__<FIELD>`` (``IZH_ENGINE__MAX_NUM_SEQS=64``); an ``IZH_*`` variable
   naming a known section but an unknown field is an error. ``IZH_CACHE_DIR`` is a shortcut for
   ``model.cache_dir``. An empty value (or ``none``) unsets an optional field. Lists take a JSON list
@@ -27,6 +28,7 @@ Booleans get a ``--no-`` twin. ``model.name`` has no flag: it is the positional 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import logging
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, cast, get_args, get_origin
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -211,6 +214,13 @@ class EngineSettings(_Section):
         default=None, gt=0, description="torch intra-op threads on CPU; unset = torch's default."
     )
     enforce_eager: bool = Field(default=False, description="Disable CUDA graphs (always eager execution).")
+    attention_backend: Annotated[
+        Literal["auto", "reference", "torch_paged", "triton_paged"], CaseInsensitive
+    ] = Field(
+        default="auto",
+        description="Attention implementation: auto (triton_paged on CUDA with Triton, else torch_paged), "
+        "reference, torch_paged or triton_paged.",
+    )
     core_mode: Annotated[Literal["process", "thread"], CaseInsensitive] = Field(
         default="process",
         description="Run the engine core in a spawned process (default) or a thread of the API process "
@@ -266,16 +276,190 @@ class ServerSettings(_Section):
         min_length=1,
         description="Reasoning parser: auto (from the chat template), none, or a parser name.",
     )
-    log_requests: bool = Field(default=False, description="Log one line per request (id, tokens, latency).")
+    log_requests: bool = Field(
+        default=True,
+        description="Log one line per API request: request id, key id, status, token counts, timings, "
+        "finish reason (never the key, the prompt or the output).",
+    )
+    log_prompts: bool = Field(
+        default=False,
+        description="Also log each request's prompts and outputs (off: they may hold personal data).",
+    )
     engine_heartbeat_timeout_s: float = Field(
         default=30,
         gt=0,
-        description="Seconds without a sign of life before the engine core is declared dead.",
+        description="Seconds the engine core may go without answering a heartbeat (it answers between "
+        "steps) before it is declared hung: /ready turns red, then in-flight requests fail.",
+    )
+    restart_dead_core: bool = Field(
+        default=False,
+        description="When the engine core dies or hangs, start a new one (in-flight requests fail, new "
+        "ones wait for it) instead of exiting with status 1 for a supervisor to restart the server.",
+    )
+    cache_salt_per_key: bool = Field(
+        default=True,
+        description="With API keys, give each key its own prefix cache namespace, so that no tenant can "
+        "probe another's prompts through cache-hit timing (off: all keys share cached prefixes).",
+    )
+    max_buffered_outputs: int = Field(
+        default=1024,
+        gt=0,
+        description="Step outputs a slow client may leave unread before its request is aborted.",
+    )
+    max_connections: int | None = Field(
+        default=4096,
+        gt=0,
+        description="Open connections (and requests) at once; more are answered 503 by the HTTP server. "
+        "Unset = no limit.",
+    )
+    timeout_keep_alive_s: int = Field(
+        default=5, gt=0, description="Seconds an idle keep-alive connection stays open between requests."
+    )
+    header_timeout_s: float = Field(
+        default=10,
+        gt=0,
+        description="Seconds a connection may take to send a complete request head; a slower or silent "
+        "one is closed (slowloris).",
+    )
+    body_timeout_s: float = Field(
+        default=30,
+        gt=0,
+        description="Seconds a client may take to send a request body; slower is a 408.",
     )
 
     def api_key_values(self) -> frozenset[str]:
         """The accepted API keys in clear, for the auth check only (never log them)."""
         return frozenset(key.get_secret_value() for key in self.api_keys)
+
+
+class LimitSettings(_Section):
+    """[limits]: bounds on what one API request may ask for; a violation is a 400 naming the limit."""
+
+    max_json_depth: int = Field(
+        default=64, gt=0, le=1000, description="Deepest nesting of arrays and objects in a request body."
+    )
+    max_messages: int = Field(default=1024, gt=0, description="Most messages in one chat request.")
+    max_prompts: int = Field(
+        default=256, gt=0, description="Most prompts in one (batched) completion request."
+    )
+    max_prompt_tokens: int | None = Field(
+        default=None, gt=0, description="Longest prompt in tokens; unset = the model's context length."
+    )
+    max_output_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="Largest max_tokens (max_completion_tokens) a request may ask for; unset = the "
+        "model's context length.",
+    )
+    max_n: int = Field(default=128, gt=0, le=128, description="Largest n (choices per prompt).")
+    max_stop: int = Field(default=16, ge=0, description="Most stop strings in one request.")
+    max_stop_chars: int = Field(default=256, gt=0, description="Longest stop string, in characters.")
+    max_stop_token_ids: int = Field(default=256, ge=0, description="Most stop_token_ids in one request.")
+    max_logit_bias: int = Field(default=1024, ge=0, description="Most logit_bias entries in one request.")
+    max_top_logprobs: int = Field(
+        default=20,
+        ge=0,
+        le=20,
+        description="Largest top_logprobs, logprobs (completions) and prompt_logprobs.",
+    )
+    max_tools: int = Field(default=128, ge=0, description="Most tools in one chat request.")
+    max_schema_bytes: Annotated[int, ByteSize] = Field(
+        default=64 * 2**10,
+        gt=0,
+        description="Largest JSON schema (response_format, structured_outputs, guided_json, a tool's "
+        "parameters) or choice list, as JSON text; bytes or with a unit (64KiB).",
+    )
+    max_schema_depth: int = Field(default=32, gt=0, description="Deepest nesting of a JSON schema.")
+    max_regex_chars: int = Field(default=4096, gt=0, description="Longest regex constraint, in characters.")
+    max_grammar_chars: int = Field(
+        default=64 * 2**10, gt=0, description="Longest grammar constraint, in characters."
+    )
+    max_chat_template_chars: int = Field(
+        default=64 * 2**10, gt=0, description="Longest chat template a request may send, in characters."
+    )
+    trust_request_chat_template: bool = Field(
+        default=False,
+        description="Accept a chat template sent in a request (it runs sandboxed, but can still burn CPU); "
+        "off = only the model's own templates, by name.",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRateLimit:
+    """The limits of one API key; None = unlimited."""
+
+    tokens_per_minute: int | None
+    burst_tokens: int | None
+    """The bucket's size: tokens a key may spend at once after being idle (None: tokens_per_minute)."""
+    max_concurrent_requests: int | None
+
+
+_KEY_RATE_LIMIT_FIELDS = ("tokens_per_minute", "burst_tokens", "max_concurrent_requests")
+
+
+def parse_key_rate_limit(text: str) -> tuple[str, dict[str, int]]:
+    """Split "KEY_ID name=value ..." (a rate_limits.per_key entry) into the key id and its values."""
+    key_id, *pairs = text.split()
+    if "=" in key_id:
+        raise ValueError(f"{text!r} must start with a key id, e.g. '3f2a9c1b tokens_per_minute=60000'")
+    values: dict[str, int] = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or name not in _KEY_RATE_LIMIT_FIELDS:
+            raise ValueError(f"{pair!r} in {text!r}: expected one of {', '.join(_KEY_RATE_LIMIT_FIELDS)}=N")
+        if not raw.isdigit() or int(raw) <= 0:
+            raise ValueError(f"{pair!r} in {text!r}: the value must be a positive integer")
+        values[name] = int(raw)
+    if not values:
+        raise ValueError(f"{text!r} sets no limit; add e.g. tokens_per_minute=60000")
+    return key_id, values
+
+
+def _check_key_rate_limits(entries: list[str]) -> list[str]:
+    seen: set[str] = set()
+    for entry in entries:
+        key_id, _ = parse_key_rate_limit(entry)
+        if key_id in seen:
+            raise ValueError(f"key id {key_id!r} has two entries")
+        seen.add(key_id)
+    return entries
+
+
+class RateLimitSettings(_Section):
+    """[rate_limits]: per API key token buckets (prompt + max_tokens) and concurrency."""
+
+    tokens_per_minute: int | None = Field(
+        default=None,
+        gt=0,
+        description="Tokens (prompt + completion) each API key may use per minute; unset = unlimited. "
+        "Without API keys it bounds all clients together.",
+    )
+    burst_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="Tokens a key may spend at once after being idle (the bucket size); unset = "
+        "tokens_per_minute.",
+    )
+    max_concurrent_requests: int | None = Field(
+        default=None, gt=0, description="Generation requests one key may have in flight; unset = unlimited."
+    )
+    per_key: Annotated[list[str], StringList, AfterValidator(_check_key_rate_limits)] = Field(
+        default_factory=list,
+        description="Limits of one key, overriding the ones above: 'KEY_ID tokens_per_minute=N "
+        "burst_tokens=N max_concurrent_requests=N' (any of the three). The key id is the first 8 hex "
+        "digits of the key's SHA-256 (`izh serve` logs each key's id).",
+    )
+
+    def default_limit(self) -> KeyRateLimit:
+        return KeyRateLimit(self.tokens_per_minute, self.burst_tokens, self.max_concurrent_requests)
+
+    def key_limits(self) -> dict[str, KeyRateLimit]:
+        """The per_key entries by key id, each completed with the section's defaults."""
+        limits = {}
+        for entry in self.per_key:
+            key_id, values = parse_key_rate_limit(entry)
+            limits[key_id] = dataclasses.replace(self.default_limit(), **values)
+        return limits
 
 
 class LoggingSettings(_Section):
@@ -300,6 +484,10 @@ class IzhSettings(BaseSettings):
     model: ModelSettings = Field(default_factory=lambda: ModelSettings(), description="[model] section.")
     engine: EngineSettings = Field(default_factory=lambda: EngineSettings(), description="[engine] section.")
     server: ServerSettings = Field(default_factory=lambda: ServerSettings(), description="[server] section.")
+    limits: LimitSettings = Field(default_factory=lambda: LimitSettings(), description="[limits] section.")
+    rate_limits: RateLimitSettings = Field(
+        default_factory=lambda: RateLimitSettings(), description="[rate_limits] section."
+    )
     logging: LoggingSettings = Field(
         default_factory=lambda: LoggingSettings(), description="[logging] section."
     )
@@ -338,6 +526,7 @@ class IzhSettings(BaseSettings):
             seed=engine.seed,
             num_threads=engine.num_threads,
             enforce_eager=engine.enforce_eager,
+            attention_backend=engine.attention_backend,
         )
 
     @property
@@ -355,6 +544,8 @@ SECTIONS: dict[str, type[_Section]] = {
     "model": ModelSettings,
     "engine": EngineSettings,
     "server": ServerSettings,
+    "limits": LimitSettings,
+    "rate_limits": RateLimitSettings,
     "logging": LoggingSettings,
 }
 
@@ -593,6 +784,7 @@ class FlagSpec:
 _FLAG_NAMES: dict[str, str] = {
     "server.api_keys": "--api-key",
     "server.allowed_origins": "--allowed-origin",
+    "rate_limits.per_key": "--rate-limit",
     "logging.level": "--log-level",
     "logging.json": "--log-json",
 }

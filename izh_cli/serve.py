@@ -2,8 +2,10 @@
 
 Lifecycle: SIGTERM/SIGINT → stop admitting (503, /ready red), let in-flight requests finish for up to
 server.drain_timeout_s, fail the rest, stop the core, exit 0; a second signal exits at once. If the
-engine core dies, in-flight requests get an error, /health answers 503 and the process exits 1 so that
-a supervisor (systemd) restarts it.
+engine core dies (or hangs past server.engine_heartbeat_timeout_s), in-flight requests get an error,
+/health answers 503 and the process exits 1 so that a supervisor (systemd) restarts it; with
+server.restart_dead_core the server starts a new core itself instead. The core process never
+outlives the server (it watches its parent, and every exit path stops it). See docs/operations.md.
 """
 
 from __future__ import annotations
@@ -76,7 +78,10 @@ async def _serve(settings: IzhSettings, engine_config: EngineConfig) -> int:
             max_waiting_requests=server_settings.max_waiting_requests,
             request_timeout_s=server_settings.request_timeout_s,
             heartbeat_timeout_s=server_settings.engine_heartbeat_timeout_s,
+            max_buffered_outputs=server_settings.max_buffered_outputs,
+            restart_dead_core=server_settings.restart_dead_core,
         )
+    server: Any = None
     try:
         app = _build_app(llm, settings)
         server = _make_server(_uvicorn_config(app, settings), app, llm, server_settings.drain_timeout_s)
@@ -90,7 +95,9 @@ async def _serve(settings: IzhSettings, engine_config: EngineConfig) -> int:
         )
         await server.serve()
     finally:
-        await llm.shutdown(0)
+        # A second signal means now: the core gets no grace either.
+        forced = server is not None and server.force_exit
+        await llm.shutdown(0, core_timeout_s=0 if forced else 5.0)
     if llm.is_dead and not server.stopping:
         console.print(f"[bold red]Error:[/] the engine core died: {llm.dead_reason}", highlight=False)
         return EXIT_ENGINE_DEAD
@@ -109,7 +116,14 @@ def _build_app(llm: AsyncLLM, settings: IzhSettings) -> FastAPI:
         max_body_bytes=s.max_body_bytes,
         sse_keepalive_s=s.sse_keepalive_s,
         reasoning_parser=s.reasoning_parser,
+        tool_call_parser=s.tool_call_parser,
         default_request_timeout_s=s.request_timeout_s,
+        limits=settings.limits,
+        rate_limits=settings.rate_limits,
+        cache_salt_per_key=s.cache_salt_per_key,
+        body_timeout_s=s.body_timeout_s,
+        log_requests=s.log_requests,
+        log_prompts=s.log_prompts,
     )
 
 
@@ -121,11 +135,56 @@ def _uvicorn_config(app: FastAPI, settings: IzhSettings) -> uvicorn.Config:
         app,
         host=s.host,
         port=s.port,
+        http=header_timeout_protocol(s.header_timeout_s),
         log_config=None,  # our logging set-up stays in charge
         access_log=settings.logging.level == "debug",
         timeout_graceful_shutdown=int(s.drain_timeout_s) + 5,
+        timeout_keep_alive=s.timeout_keep_alive_s,
+        limit_concurrency=s.max_connections,
         lifespan="on",
     )
+
+
+def header_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol, closing a connection that has not sent a complete request head
+    within `timeout_s` of connecting or of its previous response.
+
+    uvicorn itself only times out keep-alive connections after a response, and restarts that timer
+    on every byte received: a client trickling header bytes (slowloris), or connecting and saying
+    nothing, would hold a connection forever.
+    """
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeaderTimeoutProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_header_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(timeout_s, self._on_header_timeout)
+
+        def _on_header_timeout(self) -> None:
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                return  # a request is being served: body and response have their own bounds
+            if not self.transport.is_closing():
+                logger.debug("closing a connection that sent no complete request within %.0f s", timeout_s)
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
 
 
 def _make_server(config: uvicorn.Config, app: FastAPI, llm: AsyncLLM, drain_timeout_s: float) -> Any:
@@ -212,16 +271,10 @@ def configure_logging(level: str, json_format: bool) -> None:
                 "logger": record.name,
                 "message": record.getMessage(),
             }
-            for key in (
-                "request_id",
-                "key_id",
-                "status",
-                "prompt_tokens",
-                "completion_tokens",
-                "finish_reason",
-            ):
-                if hasattr(record, key):
-                    entry[key] = getattr(record, key)
+            # Structured fields (izh.api.request_log passes them as `extra={"fields": {...}}`).
+            fields = getattr(record, "fields", None)
+            if isinstance(fields, dict):
+                entry.update((key, value) for key, value in fields.items() if key not in entry)
             if record.exc_info:
                 entry["exc"] = self.formatException(record.exc_info)
             return json.dumps(entry, ensure_ascii=False)

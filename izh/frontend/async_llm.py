@@ -13,6 +13,8 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -29,7 +31,7 @@ from izh.errors import (
 )
 from izh.frontend.client import EngineCoreClient
 from izh.frontend.output_processor import OutputProcessor, RequestOutput, RequestState
-from izh.frontend.stats import StatLogger, StatLoggers
+from izh.frontend.stats import RequestMetrics, StatLogger, StatLoggers
 from izh.protocol import Abort, AddRequest, EngineOutputs, Ready
 from izh.sampling_params import SamplingParams
 from izh.tokenizer import Tokenizer, load_tokenizer
@@ -37,6 +39,62 @@ from izh.tokenizer import Tokenizer, load_tokenizer
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BUFFERED_OUTPUTS = 1024
+
+
+@dataclass(slots=True)
+class RequestScope:
+    """One API request as the engine sees it: the client's policy in, what its sequences used out.
+
+    The API's middleware sets one per HTTP request in REQUEST_SCOPE; every `add_request` made in
+    that context (a route may fan out into several) applies its policy, and each engine request adds
+    its usage here when it ends. A context variable rather than a parameter, so that no route can
+    forget the tenant's cache salt or escape its limits.
+    """
+
+    key_id: str | None = None
+    cache_salt: str | None = None
+    """The tenant's prefix-cache salt; a request's own cache_salt is appended to it."""
+    max_prompt_tokens: int | None = None
+    capture_text: bool = False
+    """Keep the prompts and outputs (for a request log that asked for them)."""
+    num_requests: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+    first_token_time: float = 0.0
+    """time.monotonic() of the first token of any of its requests (0.0: none yet)."""
+    prompts: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens of every sequence: what a rate limit charges."""
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    def add_usage(self, metrics: RequestMetrics) -> None:
+        self.num_prompt_tokens += metrics.num_prompt_tokens
+        self.num_cached_tokens += metrics.num_cached_tokens
+        self.num_output_tokens += metrics.num_generation_tokens
+        if metrics.finish_reason is not None:
+            self.finish_reasons.append(metrics.finish_reason)
+        first = metrics.first_token_time
+        if first and (not self.first_token_time or first < self.first_token_time):
+            self.first_token_time = first
+
+
+REQUEST_SCOPE: ContextVar[RequestScope | None] = ContextVar("izh_request_scope", default=None)
+
+
+def combined_cache_salt(tenant_salt: str | None, request_salt: str | None) -> str | None:
+    """The salt an engine request runs with: the tenant's, then the request's own.
+
+    Tenant salts have a fixed length, so the concatenation is unambiguous: no request salt can make
+    one tenant's salt equal another's.
+    """
+    if tenant_salt is None:
+        return request_salt
+    return tenant_salt if request_salt is None else f"{tenant_salt}:{request_salt}"
 
 
 class RequestStream:
@@ -58,12 +116,16 @@ class RequestStream:
         "_timer",
         "_waiter",
         "request_id",
+        "scope",
         "state",
     )
 
-    def __init__(self, request_id: str, state: RequestState, llm: AsyncLLM) -> None:
+    def __init__(
+        self, request_id: str, state: RequestState, llm: AsyncLLM, scope: RequestScope | None = None
+    ) -> None:
         self.request_id = request_id
         self.state = state
+        self.scope = scope
         self._llm = llm
         self._pending: RequestOutput | None = None
         self._num_buffered = 0
@@ -176,6 +238,8 @@ class AsyncLLM:
         request_timeout_s: float | None,
         max_buffered_outputs: int,
         stat_loggers: Sequence[StatLogger],
+        restart_dead_core: bool = False,
+        client_options: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.model_name = config.served_model_name
@@ -193,6 +257,12 @@ class AsyncLLM:
         self._idle.set()
         self._draining = False
         self._client: EngineCoreClient | None = None
+        self.restart_dead_core = restart_dead_core
+        self._client_options = dict(client_options or {})
+        """EngineCoreClient.start's keyword arguments, to start a replacement core alike."""
+        self._restart_task: asyncio.Task[None] | None = None
+        self._restart_error: str | None = None
+        self.num_core_restarts = 0
 
     @classmethod
     async def start(
@@ -210,12 +280,15 @@ class AsyncLLM:
         core_factory: str = DEFAULT_CORE_FACTORY,
         ready_timeout_s: float = 600.0,
         tokenizer: Tokenizer | None = None,
+        restart_dead_core: bool = False,
     ) -> AsyncLLM:
         """Load the tokenizer (here, no torch) while the core loads the model; wait for Ready.
 
         `max_waiting_requests` bounds admitted requests that have no output token yet;
         `max_buffered_outputs` bounds the step outputs a slow consumer leaves unread before its
-        request is aborted. Raises ModelLoadError / EngineDead when the core cannot start.
+        request is aborted. With `restart_dead_core`, a core that dies or hangs is replaced by a new
+        one (its requests fail; see `_restart_core`). Raises ModelLoadError / EngineDead when the
+        core cannot start.
         """
         llm: AsyncLLM | None = None
 
@@ -229,17 +302,15 @@ class AsyncLLM:
             if llm is not None:
                 llm._on_dead(reason)
 
+        client_options: dict[str, Any] = {
+            "core_mode": core_mode,
+            "core_factory": core_factory,
+            "ready_timeout_s": ready_timeout_s,
+            "heartbeat_interval_s": heartbeat_interval_s or min(5.0, heartbeat_timeout_s / 3),
+            "heartbeat_timeout_s": heartbeat_timeout_s,
+        }
         client_task = asyncio.ensure_future(
-            EngineCoreClient.start(
-                config,
-                on_outputs=on_outputs,
-                on_dead=on_dead,
-                core_mode=core_mode,
-                core_factory=core_factory,
-                ready_timeout_s=ready_timeout_s,
-                heartbeat_interval_s=heartbeat_interval_s or min(5.0, heartbeat_timeout_s / 3),
-                heartbeat_timeout_s=heartbeat_timeout_s,
-            )
+            EngineCoreClient.start(config, on_outputs=on_outputs, on_dead=on_dead, **client_options)
         )
         if tokenizer is None:
             tokenizer = await _load_tokenizer_beside(config.model, client_task)
@@ -252,8 +323,12 @@ class AsyncLLM:
             request_timeout_s=request_timeout_s,
             max_buffered_outputs=max_buffered_outputs,
             stat_loggers=stat_loggers,
+            restart_dead_core=restart_dead_core,
+            client_options=client_options,
         )
         llm._client = client
+        if client.is_dead:  # it died between Ready and now, before `llm` could hear of it
+            llm._on_dead(client.dead_reason or "unknown")
         return llm
 
     # --- state ----------------------------------------------------------------------------------
@@ -271,16 +346,37 @@ class AsyncLLM:
 
     @property
     def is_ready(self) -> bool:
-        """Serving: the core is up and the server is not draining."""
-        return self._client is not None and not self._client.is_dead and not self._draining
+        """Serving: the core is up and answered a heartbeat in time, no restart is under way, and
+        the server is not draining."""
+        client = self._client
+        return (
+            client is not None
+            and not client.is_dead
+            and client.is_responsive
+            and self._restart_task is None
+            and not self._draining
+        )
+
+    @property
+    def is_draining(self) -> bool:
+        return self._draining
+
+    @property
+    def is_restarting(self) -> bool:
+        """A dead core is being replaced (new requests are refused until the new one is ready)."""
+        return self._restart_task is not None
 
     @property
     def is_dead(self) -> bool:
-        return self._client is not None and self._client.is_dead
+        """The core is gone for good: dead, and no restart is under way (or one failed)."""
+        return self._client is not None and self._client.is_dead and self._restart_task is None
 
     @property
     def dead_reason(self) -> str | None:
-        return self._client.dead_reason if self._client is not None else None
+        reason = self._client.dead_reason if self._client is not None else None
+        if reason is not None and self._restart_error is not None:
+            reason = f"{reason}; the restart failed: {self._restart_error}"
+        return reason
 
     @property
     def num_in_flight(self) -> int:
@@ -305,14 +401,19 @@ class AsyncLLM:
         """Validate, admit and send one request (n == 1); returns its output stream.
 
         `deadline_s` (seconds from now; default `request_timeout_s`) ends the request with what it
-        has and finish_reason "length". Raises InvalidRequest / ContextLengthExceeded for a bad
-        request, Overloaded when too busy or draining, EngineDead when the core is gone.
+        has and finish_reason "length". The current RequestScope (if any) adds its cache salt and
+        prompt limit and collects the usage. Raises InvalidRequest / ContextLengthExceeded for a
+        bad request, Overloaded when too busy, draining or restarting the core, EngineDead when
+        the core is gone.
         """
+        scope = REQUEST_SCOPE.get()
+        if scope is not None:
+            _check_prompt_limit(prompt_token_ids, scope.max_prompt_tokens)
         params = self._validated_params(request_id, prompt_token_ids, params)
         self._check_admission()
         now = time.monotonic()
         state = self._processor.make_request_state(request_id, prompt_token_ids, params, arrival_time=now)
-        stream = RequestStream(request_id, state, self)
+        stream = RequestStream(request_id, state, self, scope)
         self.client.send(
             AddRequest(
                 request_id=request_id,
@@ -320,9 +421,13 @@ class AsyncLLM:
                 sampling_params=params,
                 arrival_time=time.time(),
                 priority=priority,
-                cache_salt=cache_salt,
+                cache_salt=combined_cache_salt(scope.cache_salt if scope else None, cache_salt),
             )
         )
+        if scope is not None:
+            scope.num_requests += 1
+            if scope.capture_text:
+                scope.prompts.append(self.tokenizer.decode(prompt_token_ids))
         self._requests[request_id] = stream
         self._num_waiting += 1
         self._idle.clear()
@@ -402,8 +507,12 @@ class AsyncLLM:
 
     def _check_admission(self) -> None:
         client = self.client
+        if self._restart_task is not None:
+            raise Overloaded(
+                "the engine core is restarting after a failure; retry shortly", code="engine_restarting"
+            )
         if client.is_dead:
-            raise EngineDead(f"the engine core is dead: {client.dead_reason}")
+            raise EngineDead(f"the engine core is dead: {self.dead_reason}")
         if self._draining:
             raise Overloaded("server is shutting down")
         if len(self._requests) >= self.max_requests_in_flight:
@@ -459,6 +568,11 @@ class AsyncLLM:
         metrics = stream.state.metrics
         if not metrics.first_token_time:
             self._num_waiting -= 1
+        scope = stream.scope
+        if scope is not None:
+            scope.add_usage(metrics)
+            if scope.capture_text:
+                scope.outputs.append(stream.state.detokenizer.text)
         if self.stat_loggers:
             self.stat_loggers.on_request_finished(metrics)
         if not self._requests:
@@ -511,8 +625,34 @@ class AsyncLLM:
             client.send(Abort(request_ids))
 
     def _on_dead(self, reason: str) -> None:
-        """Fail every in-flight request: the core that ran them is gone."""
+        """Fail every in-flight request: the core that ran them is gone. Then maybe replace it."""
         self._fail_all(EngineDead(f"the engine core is dead: {reason}"))
+        if self.restart_dead_core and not self._draining and self._restart_task is None:
+            self._restart_task = asyncio.get_running_loop().create_task(
+                self._restart_core(reason), name="izh-core-restart"
+            )
+
+    async def _restart_core(self, reason: str) -> None:
+        """Stop what is left of the dead (or hung) core and start a new one alike.
+
+        While this runs, new requests get 503 with Retry-After and /ready is red. If the new core
+        cannot start, the server is dead for good (`is_dead`), as without restarts.
+        """
+        logger.warning("restarting the engine core (%s)", reason)
+        try:
+            await self.client.shutdown(timeout_s=0)  # hung or dead: nothing to wait for
+            # (A shutdown() meanwhile cancels this task; start() then stops the half-started core.)
+            self._client = await EngineCoreClient.start(
+                self.config, on_outputs=self._on_outputs, on_dead=self._on_dead, **self._client_options
+            )
+        except Exception as exc:
+            self._restart_error = str(exc) or type(exc).__name__
+            logger.error("the engine core could not be restarted: %s", self._restart_error)
+            return
+        finally:
+            self._restart_task = None
+        self.num_core_restarts += 1
+        logger.info("engine core restarted (%d restarts so far)", self.num_core_restarts)
 
     def _fail_all(self, error: IzhError) -> None:
         streams = list(self._requests.values())
@@ -541,11 +681,18 @@ class AsyncLLM:
         """The core's per-block states (for debugging and tests)."""
         return list(await self.client.call_utility("kv_block_states"))
 
-    async def shutdown(self, drain_timeout_s: float = 0) -> None:
+    async def shutdown(self, drain_timeout_s: float = 0, *, core_timeout_s: float = 5.0) -> None:
         """Stop admitting; let in-flight requests finish for up to `drain_timeout_s`; fail the rest
-        with EngineDead; stop the core. Idempotent."""
+        with EngineDead; stop the core (given `core_timeout_s` to exit by itself; 0 kills it at
+        once). Idempotent."""
         first = not self._draining
         self._draining = True
+        restart = self._restart_task
+        if restart is not None:
+            restart.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await restart
+            self._restart_task = None
         if first and drain_timeout_s > 0 and self._requests and not self.is_dead:
             logger.info("draining %d in-flight requests (up to %.1f s)", len(self._requests), drain_timeout_s)
             try:
@@ -554,7 +701,17 @@ class AsyncLLM:
                 logger.warning("%d requests still in flight after the drain timeout", len(self._requests))
         self._fail_all(EngineDead("the server shut down before the request finished"))
         if self._client is not None:
-            await self._client.shutdown()
+            await self._client.shutdown(core_timeout_s)
+
+
+def _check_prompt_limit(prompt_token_ids: list[int], max_prompt_tokens: int | None) -> None:
+    if max_prompt_tokens is not None and len(prompt_token_ids) > max_prompt_tokens:
+        raise InvalidRequest(
+            f"the prompt has {len(prompt_token_ids)} tokens, over the limit of {max_prompt_tokens} "
+            "(limits.max_prompt_tokens)",
+            param="prompt",
+            code="limit_exceeded",
+        )
 
 
 async def _load_tokenizer_beside(model: str, client_task: asyncio.Future[EngineCoreClient]) -> Tokenizer:

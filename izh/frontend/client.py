@@ -93,6 +93,8 @@ class EngineCoreClient:
         self._tasks: list[asyncio.Future[None]] = []
         self._reaper: asyncio.Future[None] | None = None
         self._shutdown_task: asyncio.Future[None] | None = None
+        self._last_alive = self._loop.time()
+        """Loop time of the core's latest message: every output and heartbeat answer is a sign of life."""
         self.ready: Ready | None = None
 
         self._tmp_dir = tempfile.mkdtemp(prefix="izh-core-")
@@ -148,6 +150,7 @@ class EngineCoreClient:
         )
         try:
             client.ready = await client._wait_ready(ready_timeout_s)
+            client._last_alive = client._loop.time()
             client._connect_input()
         except BaseException:
             await client.shutdown(timeout_s=1.0)
@@ -167,6 +170,16 @@ class EngineCoreClient:
     @property
     def dead_reason(self) -> str | None:
         return self._dead_reason
+
+    @property
+    def is_responsive(self) -> bool:
+        """The core said something within the heartbeat timeout (it answers pings between steps, so
+        a core stuck in a step turns this False before the watchdog declares it dead)."""
+        return self._loop.time() - self._last_alive <= self._heartbeat_timeout_s
+
+    @property
+    def seconds_since_alive(self) -> float:
+        return self._loop.time() - self._last_alive
 
     @property
     def core_pid(self) -> int | None:
@@ -285,6 +298,7 @@ class EngineCoreClient:
         try:
             while True:
                 frame = await sock.recv(copy=False)
+                self._last_alive = self._loop.time()
                 try:
                     msg = decoder.decode(frame.buffer)
                 except Exception:
@@ -372,8 +386,10 @@ class EngineCoreClient:
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         """Ask the core to exit, wait up to `timeout_s`, then terminate/kill it; release everything.
 
-        Idempotent; a concurrent second call waits for the first. Never leaves the core process
-        behind.
+        A core already declared dead (it hung, or lost its socket), or any core when `timeout_s` is
+        0, is killed at once: a dead one cannot be trusted to act on a request or on SIGTERM (a
+        stopped process ignores both). Idempotent; a concurrent second call waits for the first.
+        Never leaves the core process behind.
         """
         if self._shutdown_task is None:
             self._shutdown_task = asyncio.ensure_future(self._shutdown(timeout_s))
@@ -383,6 +399,15 @@ class EngineCoreClient:
         self._closing = True
         for task in self._tasks:
             task.cancel()
+        if (
+            (self._dead_reason is not None or timeout_s <= 0)
+            and self._proc is not None
+            and not self._core_exited.done()
+        ):
+            logger.warning("killing the engine core (pid %s) without waiting", self._proc.pid)
+            self._proc.kill()
+            await asyncio.to_thread(self._proc.join)
+            self._set_core_exited(self._proc.exitcode)
         if not self._core_exited.done():
             with contextlib.suppress(zmq.ZMQError):
                 self._connect_input()  # it may still be loading: Shutdown waits for it there

@@ -13,6 +13,7 @@ from izh.config import EngineConfig
 from izh.settings import (
     SECTIONS,
     IzhSettings,
+    KeyRateLimit,
     SettingsError,
     env_cache_dir,
     iter_setting_fields,
@@ -324,6 +325,7 @@ def test_to_engine_config_maps_every_field() -> None:
         "engine.seed": 42,
         "engine.num_threads": 2,
         "engine.enforce_eager": True,
+        "engine.attention_backend": "torch_paged",
     }
     config = load_settings(overrides=overrides, env={}).to_engine_config("/models/x.gguf")
     assert config == EngineConfig(
@@ -342,6 +344,7 @@ def test_to_engine_config_maps_every_field() -> None:
         seed=42,
         num_threads=2,
         enforce_eager=True,
+        attention_backend="torch_paged",
     )
     # No EngineConfig field may keep its default silently: each one differs from it above.
     defaults = EngineConfig(model="/models/x.gguf")
@@ -403,3 +406,71 @@ def test_env_cache_dir_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert env_cache_dir({"IZH_CACHE_DIR": "/a", "IZH_MODEL__CACHE_DIR": "/b"}) == Path("/b")
     monkeypatch.setenv("IZH_CACHE_DIR", str(tmp_path / "from-env"))
     assert env_cache_dir() == tmp_path / "from-env"
+
+
+# --- [limits] and [rate_limits] ---------------------------------------------------------------------
+
+
+def test_limits_and_rate_limits_from_file_env_and_flags(tmp_path: Path) -> None:
+    config = write_toml(
+        tmp_path,
+        """
+        [limits]
+        max_messages = 10
+        max_schema_bytes = "1KiB"
+        [rate_limits]
+        tokens_per_minute = 6000
+        per_key = ["aaaa1111 burst_tokens=50", "bbbb2222 tokens_per_minute=60 max_concurrent_requests=2"]
+        """,
+    )
+    env = {"IZH_LIMITS__MAX_N": "4", "IZH_RATE_LIMITS__MAX_CONCURRENT_REQUESTS": "8"}
+    settings = load_settings(config, {"limits.trust_request_chat_template": True}, env)
+    assert (settings.limits.max_messages, settings.limits.max_n) == (10, 4)
+    assert settings.limits.max_schema_bytes == 1024
+    assert settings.limits.trust_request_chat_template is True
+    assert settings.rate_limits.default_limit() == KeyRateLimit(6000, None, 8)
+    assert settings.rate_limits.key_limits() == {
+        "aaaa1111": KeyRateLimit(6000, 50, 8),  # unset fields come from the section
+        "bbbb2222": KeyRateLimit(60, None, 2),
+    }
+
+
+def test_per_key_rate_limits_from_env_and_the_repeatable_flag() -> None:
+    env = {"IZH_RATE_LIMITS__PER_KEY": "aaaa1111 tokens_per_minute=5,bbbb2222 burst_tokens=7"}
+    assert list(load_settings(env=env).rate_limits.key_limits()) == ["aaaa1111", "bbbb2222"]
+    by_dotted = {spec.dotted: spec for spec in settings_flag_specs()}
+    spec = by_dotted["rate_limits.per_key"]
+    assert (spec.flag, spec.multiple) == ("--rate-limit", True)
+    flags = {"rate_limits.per_key": ["cccc3333 tokens_per_minute=9"]}
+    assert load_settings(overrides=flags, env={}).rate_limits.key_limits()["cccc3333"].tokens_per_minute == 9
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("aaaa1111", "sets no limit"),
+        ("tokens_per_minute=5", "must start with a key id"),
+        ("aaaa1111 tokens=5", "expected one of tokens_per_minute"),
+        ("aaaa1111 burst_tokens=0", "positive integer"),
+        ("aaaa1111 burst_tokens=-3", "positive integer"),
+    ],
+)
+def test_bad_per_key_entries_are_one_line_errors(entry: str, message: str) -> None:
+    with pytest.raises(SettingsError, match=message) as info:
+        load_settings(overrides={"rate_limits.per_key": [entry]}, env={})
+    assert "rate_limits.per_key" in str(info.value) and "--rate-limit" in str(info.value)
+    with pytest.raises(SettingsError, match="two entries"):
+        load_settings(
+            overrides={"rate_limits.per_key": ["k tokens_per_minute=1", "k burst_tokens=2"]}, env={}
+        )
+
+
+def test_reliability_settings_defaults() -> None:
+    server = load_settings(env={}).server
+    assert server.log_requests is True and server.log_prompts is False
+    assert server.restart_dead_core is False and server.cache_salt_per_key is True
+    assert (server.timeout_keep_alive_s, server.header_timeout_s, server.body_timeout_s) == (5, 10, 30)
+    limits = load_settings(env={}).limits
+    assert limits.trust_request_chat_template is False and limits.max_json_depth == 64
+    with pytest.raises(SettingsError, match=r"limits\.max_top_logprobs"):
+        load_settings(overrides={"limits.max_top_logprobs": 21}, env={})
