@@ -142,7 +142,11 @@ def main() -> None:
         "output_len": args.output_len,
         "results": results,
     }
-    path = Path(args.out) if args.out else ROOT / "bench_results" / f"frontend_cost-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = (
+        Path(args.out)
+        if args.out
+        else ROOT / "bench_results" / f"frontend_cost-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")

@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ from izh.engine.scheduler import ScheduledRequest, SchedulerOutput
 from izh.errors import ModelLoadError
 from izh.model.attention import AttentionMetadata, get_attention_backend
 from izh.model.config import ModelConfig
+from izh.model.llama import LlamaForCausalLM
 from izh.model.loader import load_model
 from izh.protocol import TokenLogprobs
 
@@ -87,9 +88,11 @@ class ModelRunner:
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         start = time.perf_counter()
-        self.model, self.model_config = load_model(
+        model, self.model_config = load_model(
             config.model, dtype=self.dtype, device=self.device, progress=progress
         )
+        # Every registered architecture is a LlamaForCausalLM (see izh.model.registry).
+        self.model = cast(LlamaForCausalLM, model)
         self.model.eval()
         logger.info("model loaded in %.2f s (%s, %s)", time.perf_counter() - start, self.device, self.dtype)
         self.max_model_len = self._resolve_max_model_len(config, self.model_config)
