@@ -100,12 +100,17 @@ def main() -> None:
                 raise RuntimeError("izh serve did not start")
             time.sleep(0.2)
         core = core_pid(server.pid)
+        dataset = work / "prompt.jsonl"
+        words = " ".join(f"word{i}" for i in range(args.input_len // 2))
+        dataset.write_text(json.dumps({"prompt": words, "output_tokens": args.output_len}) + "\n")
         for level in levels:
             front0, core0 = cpu_seconds(server.pid), cpu_seconds(core)
             out = work / f"bench-{level}.json"
             bench = [sys.executable, "-m", "izh_cli.main", "bench", "--url", url, "--endpoint", "completions"]
             bench += ["--concurrency", str(level), "--requests", str(level * args.requests_per_stream)]
-            bench += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+            # One prompt for every request: the client tokenizes nothing, so the API process's CPU
+            # time is the serving path alone.
+            bench += ["--dataset", str(dataset), "--output-len", str(args.output_len)]
             bench += ["--ignore-eos", "--json", "--out", str(out)]
             subprocess.run(bench, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             front_s, core_s = cpu_seconds(server.pid) - front0, cpu_seconds(core) - core0

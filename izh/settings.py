@@ -211,15 +211,16 @@ class EngineSettings(_Section):
         default=0, ge=0, description="Seed of the engine's random generator (unseeded sampling)."
     )
     num_threads: int | None = Field(
-        default=None, gt=0, description="torch intra-op threads on CPU; unset = torch's default."
+        default=None,
+        gt=0,
+        description="torch intra-op threads on CPU; unset = all cores offline, and all but one under "
+        "`izh serve` (the API process needs a core: spinning torch threads starve it).",
     )
     enforce_eager: bool = Field(default=False, description="Disable CUDA graphs (always eager execution).")
-    attention_backend: Annotated[
-        Literal["auto", "reference", "torch_paged", "triton_paged"], CaseInsensitive
-    ] = Field(
+    attention_backend: Annotated[Literal["auto", "torch_paged", "triton_paged"], CaseInsensitive] = Field(
         default="auto",
         description="Attention implementation: auto (triton_paged on CUDA with Triton, else torch_paged), "
-        "reference, torch_paged or triton_paged.",
+        "torch_paged or triton_paged.",
     )
     core_mode: Annotated[Literal["process", "thread"], CaseInsensitive] = Field(
         default="process",
