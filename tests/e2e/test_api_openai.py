@@ -317,3 +317,34 @@ def test_health_ready_version(server: ApiServer) -> None:
     assert httpx.get(f"{server.url}/version").json()["version"]
     reply = httpx.get(f"{server.url}/health", headers={"X-Request-Id": "trace-42"})
     assert reply.headers["x-request-id"] == "trace-42"
+
+
+def test_64_concurrent_streams_have_distinct_consistent_ids(server: ApiServer, client: openai.OpenAI) -> None:
+    import asyncio
+
+    prompts = [f"stream number {i}: " + "abc " * (i % 7) for i in range(64)]
+    expected = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=8, **GREEDY).choices[0].text
+        for p in prompts[:4]
+    ]
+
+    async def one(aclient: openai.AsyncOpenAI, prompt: str) -> tuple[set[str], str]:
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, stream=True, **GREEDY
+        )
+        ids, text = set(), []
+        async for chunk in stream:
+            ids.add(chunk.id)
+            text.extend(c.text for c in chunk.choices)
+        return ids, "".join(text)
+
+    async def run() -> list[tuple[set[str], str]]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key="unused", max_retries=0
+        ) as aclient:
+            return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+    results = asyncio.run(run())
+    assert all(len(ids) == 1 for ids, _ in results)  # one id per stream, on every chunk
+    assert len({next(iter(ids)) for ids, _ in results}) == 64  # distinct across streams
+    assert [text for _, text in results[:4]] == expected  # batched with 63 others: the same greedy text
