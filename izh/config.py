@@ -22,7 +22,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     """KV cache size in bytes; None derives it from kv_cache_memory_fraction."""
     kv_cache_memory_fraction: float = 0.25
-    """Fraction of free memory (device memory on GPU) given to the KV cache when no byte size is set."""
+    """Fraction of free memory (device memory on GPU) given to the KV cache when no byte size is set
+    (on CPU at most 4 GiB)."""
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_prefix_caching: bool = True

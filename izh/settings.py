@@ -192,7 +192,7 @@ class EngineSettings(_Section):
         gt=0,
         le=1,
         description="Fraction of free memory (device memory on GPU) given to the KV cache when "
-        "kv_cache_memory_bytes is unset.",
+        "kv_cache_memory_bytes is unset (on CPU at most 4 GiB).",
     )
     max_num_batched_tokens: int = Field(
         default=2048,

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+CPU_DEFAULT_KV_CACHE_BYTES = 4 << 30
+"""The most a CPU KV cache takes when only kv_cache_memory_fraction is set."""
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -162,6 +165,9 @@ class ModelRunner:
         budget = self.config.kv_cache_memory_bytes
         if budget is None:
             budget = int(available_memory_bytes(self.device) * self.config.kv_cache_memory_fraction)
+            if self.device.type == "cpu":
+                # CPU RAM is shared with everything else on the host (vLLM's CPU default is 4 GiB too).
+                budget = min(budget, CPU_DEFAULT_KV_CACHE_BYTES)
         # More blocks than every sequence at full length could use is wasted memory.
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         useful = blocks_per_seq * self.config.max_num_seqs
