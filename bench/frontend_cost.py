@@ -26,7 +26,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.offline_throughput import git_sha, machine_info  # noqa: E402
+from bench.offline_throughput import write_record  # noqa: E402
 
 
 def cpu_seconds(pid: int) -> float:
@@ -137,24 +137,16 @@ def main() -> None:
         row["offline_decode_step_ms"] = offline_decode_step_ms(model, level, args.input_len, 16)
         row["itl_added_by_serving_ms"] = row["median_itl_ms"] - row["offline_decode_step_ms"]  # type: ignore[operator]
         print(json.dumps(row), flush=True)
-    record = {
-        "benchmark": "frontend_cost",
-        "git_sha": git_sha(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": machine_info(),
-        "model": "tiny random llama (tests/fixtures/checkpoints.py)",
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "results": results,
-    }
-    path = (
-        Path(args.out)
-        if args.out
-        else ROOT / "bench_results" / f"frontend_cost-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    write_record(
+        "frontend_cost",
+        {
+            "model": "tiny random llama (tests/fixtures/checkpoints.py)",
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "results": results,
+        },
+        args.out,
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

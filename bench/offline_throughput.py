@@ -60,6 +60,25 @@ def git_sha() -> str:
         return "unknown"
 
 
+def write_record(benchmark: str, fields: dict[str, object], out: str | None) -> Path:
+    """Save one run as JSON (benchmark name, git sha, command, machine, then `fields`); returns the path.
+
+    Default path: bench_results/<benchmark>-<timestamp>.json.
+    """
+    record = {
+        "benchmark": benchmark,
+        "git_sha": git_sha(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": machine_info(),
+        **fields,
+    }
+    path = Path(out) if out else ROOT / "bench_results" / f"{benchmark}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
 def make_prompts(batch: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     # Avoid the first ids (special tokens on most vocabularies).
@@ -173,28 +192,20 @@ def main() -> None:
         results.append(row)
         print(json.dumps(row), flush=True)
 
-    record = {
-        "benchmark": "offline_throughput",
-        "git_sha": git_sha(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": machine_info(),
-        "model": args.model,
-        "dtype": args.dtype,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "load_s": load_s,
-        "peak_rss_after_load_mib": rss_after_load,
-        "peak_rss_mib": peak_rss_mib(),
-        "results": results,
-    }
-    out = (
-        Path(args.out)
-        if args.out
-        else ROOT / "bench_results" / (f"offline_throughput-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    write_record(
+        "offline_throughput",
+        {
+            "model": args.model,
+            "dtype": args.dtype,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "load_s": load_s,
+            "peak_rss_after_load_mib": rss_after_load,
+            "peak_rss_mib": peak_rss_mib(),
+            "results": results,
+        },
+        args.out,
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.offline_throughput import git_sha, machine_info, make_prompts  # noqa: E402
+from bench.offline_throughput import make_prompts, write_record  # noqa: E402
 
 # Typed properties, an enum, a bounded array, a nested object, required fields.
 SCHEMA: dict[str, Any] = {
@@ -268,33 +268,26 @@ def main() -> None:
         "cached_compile_ms": compile_row["cached_compile_ms_median"],
     }
     print(json.dumps({"summary": summary}), flush=True)
-    record = {
-        "benchmark": "structured_outputs",
-        "git_sha": git_sha(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": machine_info(),
-        "model": args.model,
-        "dtype": args.dtype,
-        "batch": args.batch,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "schema": SCHEMA,
-        "summary": summary,
-        "compile": compile_row,
-        "decode": runs,
-        "decode_full_batch_step_ms": {
-            name: [[1e3 * t for t in times] for times in per_mode] for name, per_mode in step_times.items()
+    write_record(
+        "structured_outputs",
+        {
+            "model": args.model,
+            "dtype": args.dtype,
+            "batch": args.batch,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "schema": SCHEMA,
+            "summary": summary,
+            "compile": compile_row,
+            "decode": runs,
+            "decode_full_batch_step_ms": {
+                name: [[1e3 * t for t in times] for times in per_mode]
+                for name, per_mode in step_times.items()
+            },
+            "bitmask": bitmask_row,
         },
-        "bitmask": bitmask_row,
-    }
-    out = (
-        Path(args.out)
-        if args.out
-        else ROOT / "bench_results" / f"structured_outputs-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        args.out,
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
