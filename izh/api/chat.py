@@ -61,17 +61,16 @@ from izh.api.serving import (
     check_constraint,
     check_model,
     check_serving,
-    json_response,
     merge_outputs,
     prompt_logprobs_json,
     read_json,
     request_id_of,
     requested_constraints,
     resolve_max_tokens,
+    respond,
     single_constraint,
-    until_disconnected,
 )
-from izh.api.sse import SSEResponse, data_event, sse_stream
+from izh.api.sse import data_event
 from izh.errors import InvalidRequest
 from izh.frontend.tool_parsers import (
     HERMES_END,
@@ -490,21 +489,15 @@ async def create_chat_completion(request: Request) -> Response:
         constraint.param if constraint is not None else "none",
         ctx.tool_parser.name if ctx.tool_parser is not None else "none",
     )
-    if body.stream:
-        events = sse_stream(
-            _chat_events(ctx, children), keepalive_s=state.sse_keepalive_s, request_id=request_id
-        )
-        return SSEResponse(events, on_close=lambda: _abort_all(children))
-    try:
-        result = await until_disconnected(request, _collect(ctx, children))
-    finally:
-        _abort_all(children)
-    return result if isinstance(result, Response) else json_response(result)
-
-
-def _abort_all(children: list[Child]) -> None:
-    for child in children:
-        child.stream.abort()
+    return await respond(
+        request,
+        children,
+        stream=body.stream,
+        events=lambda: _chat_events(ctx, children),
+        collect=lambda: _collect(ctx, children),
+        keepalive_s=state.sse_keepalive_s,
+        request_id=request_id,
+    )
 
 
 def _sampling_params(

@@ -36,17 +36,16 @@ from izh.api.serving import (
     check_model,
     check_prompt_token_ids,
     check_serving,
-    json_response,
     merge_outputs,
     prompt_logprobs_json,
     read_json,
     request_id_of,
     requested_constraints,
     resolve_max_tokens,
+    respond,
     single_constraint,
-    until_disconnected,
 )
-from izh.api.sse import SSEResponse, data_event, sse_stream
+from izh.api.sse import data_event
 from izh.errors import InvalidRequest
 from izh.frontend.output_processor import RequestOutput
 from izh.sampling_params import SamplingParams, StructuredOutputsParams
@@ -173,19 +172,15 @@ async def create_completion(request: Request) -> Response:
         cache_salt=body.cache_salt,
     )
     logger.debug("[%s] completion: %d prompts, %d choices", request_id, len(prompts), len(children))
-    if body.stream:
-        events = sse_stream(_events(ctx, children), keepalive_s=state.sse_keepalive_s, request_id=request_id)
-        return SSEResponse(events, on_close=lambda: _abort_all(children))
-    try:
-        result = await until_disconnected(request, _collect(ctx, children))
-    finally:
-        _abort_all(children)
-    return result if isinstance(result, Response) else json_response(result)
-
-
-def _abort_all(children: list[Child]) -> None:
-    for child in children:
-        child.stream.abort()
+    return await respond(
+        request,
+        children,
+        stream=body.stream,
+        events=lambda: _events(ctx, children),
+        collect=lambda: _collect(ctx, children),
+        keepalive_s=state.sse_keepalive_s,
+        request_id=request_id,
+    )
 
 
 def _sampling_params(

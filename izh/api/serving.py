@@ -34,6 +34,7 @@ from izh.api.protocol import (
     UsageInfo,
     parse_body,
 )
+from izh.api.sse import SSEResponse, sse_stream
 from izh.errors import ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound, Overloaded
 from izh.guided_spec import build_ll_tokenizer, json_compile_options, lark_literal, validate_spec
 from izh.sampling_params import SamplingParams, StructuredOutputsParams
@@ -539,6 +540,33 @@ async def merge_outputs(children: list[Child]) -> AsyncIterator[tuple[Child, Req
                 await asyncio.wait(pending)
         for child in children:
             child.stream.abort()
+
+
+def abort_all(children: list[Child]) -> None:
+    for child in children:
+        child.stream.abort()
+
+
+async def respond(
+    request: Request,
+    children: list[Child],
+    *,
+    stream: bool,
+    events: Callable[[], AsyncIterator[bytes]],
+    collect: Callable[[], Awaitable[Any]],
+    keepalive_s: float | None,
+    request_id: str,
+) -> Response:
+    """The route's answer: an SSE stream of `events()`, or the JSON that `collect()` builds, aborting
+    the children when the client goes away (or the route fails) either way."""
+    if stream:
+        body = sse_stream(events(), keepalive_s=keepalive_s, request_id=request_id)
+        return SSEResponse(body, on_close=lambda: abort_all(children))
+    try:
+        result = await until_disconnected(request, collect())
+    finally:
+        abort_all(children)
+    return result if isinstance(result, Response) else json_response(result)
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
