@@ -333,12 +333,14 @@ async def _bench(options: BenchOptions) -> dict[str, Any]:
         server["model"] = model
         base = _run_config(options, model, urls)
         tokenizer, samples = await _prepare(clients[0], urls, model, options)
-        await _probe(clients[0], base)
+        probe = await _probe(clients[0], base)
         runs, interrupted = await _run_levels(clients, base, options, samples, tokenizer)
     from izh_cli.bench.report import result_document
 
     config = _config_dict(options, tokenizer is not None)
-    return result_document(server=server, config=config, runs=runs, interrupted=interrupted)
+    document = result_document(server=server, config=config, runs=runs, interrupted=interrupted)
+    document["probe"] = probe
+    return document
 
 
 async def _server_info(client: httpx.AsyncClient, urls: Any) -> dict[str, Any]:
@@ -406,10 +408,11 @@ async def _prepare(
             ) from exc
 
 
-async def _probe(client: httpx.AsyncClient, base: RunConfig) -> None:
+async def _probe(client: httpx.AsyncClient, base: RunConfig) -> dict[str, Any]:
     """One short request first, so that a wrong model or endpoint fails once, clearly, not N times.
 
-    A reply without text (a model that ends at once) is fine here: the server took the request.
+    A reply without text (a model that ends at once) is fine here: the server took the request. Returns
+    its token counts, kept in the result so that the server's counters (which include it) reconcile.
     """
     from izh_cli.bench.datasets import Sample
     from izh_cli.bench.runner import NO_TOKENS, Runner
@@ -423,6 +426,7 @@ async def _probe(client: httpx.AsyncClient, base: RunConfig) -> None:
         raise BenchError(
             f"a test request to {base.url} failed: {record.error}", "check --model, --endpoint and --api-key."
         )
+    return {"requests": 1, "prompt_tokens": record.prompt_tokens, "output_tokens": record.output_tokens}
 
 
 async def _run_levels(

@@ -3,7 +3,16 @@ they were sent), commands, reasoning, errors and Ctrl-C during a reply."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import pty
+import re
+import select
+import signal
+import sys
+import termios
+import time
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +136,192 @@ def test_ctrl_c_stops_the_reply_and_keeps_what_arrived() -> None:
         {"role": "assistant", "content": "You said:"},
     ]
     assert follow_up.content == "You said: go on (turn 2)"  # the client is still usable
+
+
+def test_params_model_load_and_multi_line_input(tmp_path: Path) -> None:
+    saved = tmp_path / "saved.json"
+    saved.write_text(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": "Old system"},
+                    {"role": "user", "content": "earlier"},
+                    {"role": "assistant", "content": "an old answer"},
+                ]
+            }
+        )
+    )
+    lines = (
+        "/params temperature=0.2 max_tokens=200\n"
+        "/params temperature=9\n"
+        "/params nope=1\n"
+        "/params max_tokens=many\n"
+        "first \\\n"
+        "second\n"
+        "/model\n"
+        "/model other-model\n"
+        "/model fake-model\n"
+        f"/load {saved}\n"
+        "/params max_tokens=none\n"
+        "next\n"
+        f"/load {tmp_path / 'missing.json'}\n"
+    )
+    with fake_server() as (url, fake):
+        result = invoke(["--url", url], lines)
+        first, last = fake.state.bodies
+    assert result.exit_code == 1  # the bad /params and /load lines count as errors
+    assert result.stdout == "You said: first \nsecond (turn 1)\n[Old system] You said: next (turn 2)\n"
+    assert "Parameters: max_tokens=200 temperature=0.2" in result.stderr
+    assert "temperature must be in [0.0, 2.0], not 9" in result.stderr
+    assert "unknown parameter 'nope'" in result.stderr
+    assert "max_tokens takes an integer, not 'many'" in result.stderr
+    assert "Model: fake-model. The server serves: fake-model" in result.stderr
+    assert "The server has no model 'other-model'; it serves: fake-model" in result.stderr
+    assert "Model set to fake-model." in result.stderr and "Loaded 2 messages" in result.stderr
+    assert "Cannot load" in result.stderr and "Parameters: temperature=0.2" in result.stderr
+    assert (first["temperature"], first["max_tokens"]) == (0.2, 200)
+    assert first["stream_options"] == {"include_usage": True}
+    assert last["temperature"] == 0.2 and "max_tokens" not in last
+    assert last["messages"] == [
+        {"role": "system", "content": "Old system"},
+        {"role": "user", "content": "earlier"},
+        {"role": "assistant", "content": "an old answer"},
+        {"role": "user", "content": "next"},
+    ]
+
+
+def test_prompt_option_prints_only_the_reply() -> None:
+    with fake_server() as (url, fake):
+        result = invoke(["--url", url, "-p", "please think", "--system", "S"], "ignored\n")
+        wrong = invoke(["--url", url, "--model", "nope", "--prompt", "hi"], "")
+        (body, _) = fake.state.bodies
+    assert result.exit_code == 0 and result.stdout == "[S] You said: please think (turn 1)\n"
+    assert "Let me think." in result.stderr  # reasoning stays off stdout
+    assert [m["content"] for m in body["messages"]] == ["S", "please think"]
+    assert wrong.exit_code == 1 and wrong.stdout == ""
+    assert "HTTP 404: The model `nope` does not exist." in wrong.stderr
+
+
+def test_streamed_tool_calls_usage_and_timing_are_folded_into_the_reply() -> None:
+    reply = chat_cmd.Reply()
+    seen: list[str] = []
+    chunks: list[dict[str, Any]] = [
+        {"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"delta": {"content": "Checking."}}]},
+        {"choices": [{"delta": {"tool_calls": [
+            {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+        ]}}]},
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}}]},
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}}]},
+        {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]},
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}},
+    ]  # fmt: skip
+    for chunk in chunks:
+        chat_cmd.on_event(chunk, reply, 0.0, seen.append, seen.append)
+    reply.latency_s = reply.ttft_s + 1.1 if reply.ttft_s is not None else None
+    assert seen == ["Checking."] and reply.content == "Checking."
+    assert reply.tool_calls == [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        }
+    ]
+    assert reply.tool_call_lines() == ['Tool call: get_weather({"city": "Oslo"})']
+    assert (reply.num_chunks, reply.completion_tokens) == (4, 12)
+    stats = reply.stats()
+    assert stats is not None and stats.endswith(
+        " ms · 10.0 tok/s · 12 tokens"
+    )  # 11 tokens after the 1st in 1.1 s
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r")
+
+
+class Terminal:
+    """The master side of a pseudo-terminal: type into it, wait for text to appear on it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.output = ""
+        self.seen = 0
+
+    def type(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def expect(self, text: str, timeout_s: float = 30.0) -> str:
+        """Read until ``text`` appears after the last match; returns the output up to its end."""
+        while (found := self.output.find(text, self.seen)) < 0:
+            ready, _, _ = select.select([self.fd], [], [], timeout_s)
+            assert ready, f"no {text!r} in {self.output[self.seen :]!r}"
+            try:
+                data = os.read(self.fd, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                data = b""
+            assert data, f"the chat exited before {text!r}: {self.output[self.seen :]!r}"
+            self.output += ANSI.sub("", data.decode(errors="replace"))
+        start, self.seen = self.seen, found + len(text)
+        return self.output[start : self.seen]
+
+    def wait_for_line_editor(self, timeout_s: float = 30.0) -> None:
+        """Wait until readline has taken the terminal out of canonical mode to read a line.
+
+        A Ctrl-D typed before that is queued by the kernel as a NUL byte, not an end of file.
+        """
+        if importlib.util.find_spec("readline") is None:
+            return  # plain input(): the terminal stays canonical and Ctrl-D is an end of file
+        deadline = time.monotonic() + timeout_s
+        while termios.tcgetattr(self.fd)[3] & termios.ICANON:  # the master reports the slave's modes
+            assert time.monotonic() < deadline, "readline never took the terminal"
+            select.select([], [], [], 0.01)
+
+
+def test_a_terminal_session_with_system_multi_line_ctrl_c_and_ctrl_d() -> None:
+    env = {**os.environ, "TERM": "dumb", "COLUMNS": "200", "NO_COLOR": "1"}
+    with fake_server() as (url, fake):
+        pid, fd = pty.fork()
+        if pid == 0:  # the child becomes `izh chat` on the terminal at once
+            os.execve(sys.executable, [sys.executable, "-m", "izh_cli.main", "chat", "--url", url], env)
+        term = Terminal(fd)
+        status: int | None = None
+        try:
+            term.expect("Chatting with fake-model")
+            term.expect("> ")
+            term.type("hello\n")
+            term.expect("You said: hello (turn 1)")
+            assert re.search(r"TTFT \d+ ms · [\d.]+ tok/s · \d+ tokens", term.expect("> "))
+            term.type("/system Be brief\n")
+            term.expect("System prompt set.")
+            term.type("two \\\n")
+            term.expect("... ")
+            term.type("lines\n")
+            term.expect("[Be brief] You said: two \nlines (turn 2)")
+            term.type("/params temperature=0.3\n")
+            term.expect("Parameters: temperature=0.3")
+            term.type("tell me a BLOCK story\n")
+            assert fake.state.blocked.wait(30)  # one token arrived; the reply is in flight
+            term.type("\x03")  # Ctrl-C, through the terminal's line discipline
+            term.expect("(interrupted)")
+            term.expect("> ")
+            term.type("/clear\n")  # the interrupted turn is kept; clear it so BLOCK is not sent again
+            term.expect("Conversation cleared.")
+            term.type("still here\n")
+            term.expect("[Be brief] You said: still here (turn 1)")
+            term.expect("> ")
+            term.wait_for_line_editor()
+            term.type("\x04")  # Ctrl-D leaves
+            _, status = os.waitpid(pid, 0)
+        finally:
+            if status is None:  # a failed expectation: do not leave the chat running
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            os.close(fd)
+        assert os.waitstatus_to_exitcode(status) == 0, term.output
+        bodies = fake.state.bodies
+    assert len(bodies) == 4
+    assert bodies[2]["temperature"] == 0.3 and "temperature" not in bodies[1]
+    assert bodies[3]["messages"] == [
+        {"role": "system", "content": "Be brief"},
+        {"role": "user", "content": "still here"},
+    ]
+    assert "Traceback" not in term.output
