@@ -405,6 +405,15 @@ def chat(
             show_default=False,
         ),
     ] = None,
+    local: Annotated[
+        str | None,
+        typer.Option(
+            "--local",
+            help="Run this model in-process instead of connecting to --url: a registry name "
+            "(smollm2), a .gguf file or a Hugging Face folder.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Chat with a model in the terminal, replies streamed as they are generated.
 
@@ -412,6 +421,27 @@ def chat(
     /help. A line ending with \\ continues on the next; Ctrl-C stops a reply. When stdin is not a
     terminal, each input line is one prompt and each reply one output line; -p sends one prompt.
     """
+    if local is not None:
+        from izh_cli._common import cli_errors, stderr_console
+        from izh_cli.local_server import local_server
+
+        with cli_errors(), contextlib.ExitStack() as stack:
+            with stderr_console().status(f"loading {local} (in-process)..."):
+                local_url = stack.enter_context(local_server(local))
+            _run_chat(local_url, model, api_key, system, temperature, max_tokens, prompt)
+        return
+    _run_chat(url, model, api_key, system, temperature, max_tokens, prompt)
+
+
+def _run_chat(
+    url: str,
+    model: str | None,
+    api_key: str | None,
+    system: str | None,
+    temperature: float | None,
+    max_tokens: int | None,
+    prompt: str | None,
+) -> None:
     import httpx
 
     from izh_cli._common import EXIT_USAGE, fail

@@ -234,3 +234,18 @@ def test_every_help_renders_without_heavy_imports() -> None:
     for name, text in zip(names, texts, strict=True):
         assert "Usage: izh" in text, (name, text)
         assert "Traceback" not in text
+
+
+def test_chat_local_runs_the_model_in_process(tiny_llama_dir: str, tmp_path: Path) -> None:
+    env = {**os.environ, "IZH_CACHE_DIR": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "izh_cli.main", "chat", "--local", tiny_llama_dir, "-p", "hello"]
+    result = subprocess.run(
+        [*cmd, "--max-tokens", "6", "--temperature", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()  # the reply, alone on stdout
+    assert "Traceback" not in result.stderr
