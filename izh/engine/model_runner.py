@@ -107,7 +107,8 @@ class ModelRunner:
         self.attention_backend = self._resolve_attention_backend(config.attention_backend)
         self.model.paged_backend = get_attention_backend(self.attention_backend)
         self.graph_runner = self._make_graph_runner()
-        self.sampler = Sampler()
+        # Unseeded sampling draws from the engine's own generator, seeded by the engine seed setting.
+        self.sampler = Sampler(make_generator(config.seed, self.device))
         self._generators: dict[str, torch.Generator] = {}
 
     # --- set-up ---------------------------------------------------------------------------------

@@ -247,3 +247,10 @@ def test_invariants_hold_after_every_step_under_preemption(tiny_llama_dir: str, 
     assert finished == {f"r{i}" for i in range(10)}
     assert core.make_stats().num_preemptions > 0
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible(tiny_llama_dir: str) -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    runs = [_tokens(_llm(tiny_llama_dir, seed=seed).generate(PROMPTS[:4], params)) for seed in (5, 5, 6)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
