@@ -9,7 +9,6 @@ prefix hit, a block shared while written, a preempted request resuming on someon
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from typing import Any
 
 from hypothesis import given, settings
@@ -19,21 +18,10 @@ from izh.engine.kv_cache import KVCacheManager
 from izh.engine.request import Request, RequestStatus
 from izh.engine.scheduler import Scheduler, SchedulerOutput
 from izh.errors import ContextLengthExceeded
+from tests.unit.engine_params import Params
 
 BLOCK_SIZE = 4
 EOS = 2
-
-
-@dataclass
-class Params:
-    """Stand-in for izh.sampling_params.SamplingParams with the fields the engine state reads."""
-
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
-    n: int = 1
-    prompt_logprobs: int | None = None
 
 
 class SimulatedKV:

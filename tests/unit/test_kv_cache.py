@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 
 from izh.engine.kv_cache import (
@@ -15,20 +13,9 @@ from izh.engine.kv_cache import (
     update_block_hashes,
 )
 from izh.engine.request import Request
+from tests.unit.engine_params import Params
 
 BLOCK_SIZE = 4
-
-
-@dataclass
-class Params:
-    """Stand-in for izh.sampling_params.SamplingParams with the fields the engine state reads."""
-
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
-    n: int = 1
-    prompt_logprobs: int | None = None
 
 
 def make_request(

@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 
 from izh.engine.kv_cache import KVCacheManager
 from izh.engine.request import Request, RequestStatus
 from izh.engine.scheduler import Scheduler, SchedulerOutput
 from izh.errors import ContextLengthExceeded, InvalidRequest
+from tests.unit.engine_params import Params
 
 EOS = 2
-
-
-@dataclass
-class Params:
-    """Stand-in for izh.sampling_params.SamplingParams with the fields the engine state reads."""
-
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
-    n: int = 1
-    prompt_logprobs: int | None = None
 
 
 def make_request(
