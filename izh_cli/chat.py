@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from izh_cli.bench.server import API_KEY_ENVVARS, DEFAULT_URL, URL_ENVVARS
+from izh_cli.bench.server import DEFAULT_URL, ApiKeyOption, ModelOption, UrlOption
 
 if TYPE_CHECKING:
     import httpx
@@ -364,19 +364,9 @@ def _add_tool_call_piece(calls: list[dict[str, Any]], piece: dict[str, Any]) -> 
 
 
 def chat(
-    url: Annotated[
-        str, typer.Option("--url", envvar=URL_ENVVARS, help="Server URL (with or without /v1).")
-    ] = DEFAULT_URL,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model", "-m", help="Model name; default: the first of /v1/models.", show_default=False
-        ),
-    ] = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option("--api-key", envvar=API_KEY_ENVVARS, help="Bearer token.", show_default=False),
-    ] = None,
+    url: UrlOption = DEFAULT_URL,
+    model: ModelOption = None,
+    api_key: ApiKeyOption = None,
     system: Annotated[
         str | None, typer.Option("--system", "-s", help="System prompt.", show_default=False)
     ] = None,

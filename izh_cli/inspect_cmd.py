@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from izh_cli.bench.server import API_KEY_ENVVARS, DEFAULT_URL, URL_ENVVARS
+from izh_cli.bench.server import DEFAULT_URL, ApiKeyOption, UrlOption
 
 if TYPE_CHECKING:
     import httpx
@@ -33,13 +33,8 @@ METRICS_HINT = "metrics are off: llama.cpp needs --metrics, SGLang --enable-metr
 
 
 def inspect(
-    url: Annotated[
-        str, typer.Option("--url", envvar=URL_ENVVARS, help="Server URL (with or without /v1).")
-    ] = DEFAULT_URL,
-    api_key: Annotated[
-        str | None,
-        typer.Option("--api-key", envvar=API_KEY_ENVVARS, help="Bearer token.", show_default=False),
-    ] = None,
+    url: UrlOption = DEFAULT_URL,
+    api_key: ApiKeyOption = None,
     interval: Annotated[
         float, typer.Option("--interval", "-i", min=0.01, help="Seconds between scrapes.")
     ] = 2.0,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import typer
 
 from izh_cli._common import EXIT_USAGE, fail
-from izh_cli.bench.server import API_KEY_ENVVARS, DEFAULT_URL, URL_ENVVARS
+from izh_cli.bench.server import DEFAULT_URL, ApiKeyOption, ModelOption, UrlOption
 
 if TYPE_CHECKING:
     import httpx
@@ -87,19 +87,9 @@ def parse_levels(text: str) -> tuple[int, ...]:
 
 
 def bench(
-    url: Annotated[
-        str, typer.Option("--url", envvar=URL_ENVVARS, help="Server URL (with or without /v1).")
-    ] = DEFAULT_URL,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model", "-m", help="Model name; default: the first of /v1/models.", show_default=False
-        ),
-    ] = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option("--api-key", envvar=API_KEY_ENVVARS, help="Bearer token.", show_default=False),
-    ] = None,
+    url: UrlOption = DEFAULT_URL,
+    model: ModelOption = None,
+    api_key: ApiKeyOption = None,
     endpoint: Annotated[
         Literal["chat", "completions"],
         typer.Option("--endpoint", help="/v1/chat/completions or /v1/completions."),

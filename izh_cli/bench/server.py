@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
 
 if TYPE_CHECKING:
     import httpx
@@ -17,6 +19,18 @@ DEFAULT_URL = "http://127.0.0.1:8000/v1"
 URL_ENVVARS = ["IZH_URL", "OPENAI_BASE_URL"]
 API_KEY_ENVVARS = ["IZH_API_KEY", "OPENAI_API_KEY"]
 DONE = b"[DONE]"
+
+# The options every toolkit command shares, declared once.
+UrlOption = Annotated[
+    str, typer.Option("--url", envvar=URL_ENVVARS, help="Server URL (with or without /v1).")
+]
+ModelOption = Annotated[
+    str | None,
+    typer.Option("--model", "-m", help="Model name; default: the first of /v1/models.", show_default=False),
+]
+ApiKeyOption = Annotated[
+    str | None, typer.Option("--api-key", envvar=API_KEY_ENVVARS, help="Bearer token.", show_default=False)
+]
 
 
 @dataclass(frozen=True, slots=True)
