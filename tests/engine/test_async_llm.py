@@ -11,8 +11,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from izh.config import EngineConfig
 from izh.errors import ContextLengthExceeded, EngineDead, InvalidRequest, IzhError, Overloaded
@@ -22,6 +20,7 @@ from izh.frontend.stats import RequestMetrics, StatLogger
 from izh.protocol import SchedulerStats
 from izh.sampling_params import SamplingParams
 from tests.engine.fake_core import BAD_TOKEN, CRASH_TOKEN, FOREVER_TOKEN, write_options
+from tests.fixtures.bpe import train_byte_level_bpe
 
 FAKE = "tests.engine.fake_core:FakeEngineCore"
 T = TypeVar("T")
@@ -41,16 +40,7 @@ def run(coro: Awaitable[T], timeout_s: float = 60.0) -> T:
 
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    backend = BackendTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(CORPUS, trainer)
+    backend = train_byte_level_bpe(CORPUS, 400, ["<|endoftext|>"])
     path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
     backend.save(str(path))
     return path

@@ -14,12 +14,11 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from izh.engine.guided import GrammarManager, apply_bitmask, bitmask_words
 from izh.sampling_params import StructuredOutputsParams
 from izh.tokenizer import Tokenizer
+from tests.fixtures.bpe import train_byte_level_bpe
 
 EOS_TOKEN = "<|endoftext|>"
 # The logits are wider than the tokenizer's vocabulary (padding rows), and not a multiple of 32.
@@ -37,16 +36,7 @@ TRAINING_TEXT = [
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     """A byte-level BPE tokenizer (every byte is a token, plus merges) with an EOS special token."""
-    backend = BackendTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=420,
-        special_tokens=[EOS_TOKEN, "<|im_start|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(TRAINING_TEXT * 20, trainer)
+    backend = train_byte_level_bpe(TRAINING_TEXT * 20, 420, [EOS_TOKEN, "<|im_start|>"])
     return Tokenizer(backend, special_tokens={"eos_token": EOS_TOKEN})
 
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from izh.frontend.output_processor import OutputProcessor, RequestOutput, RequestState
 from izh.protocol import EngineOutput, TokenLogprobs
 from izh.sampling_params import SamplingParams
 from izh.tokenizer import Tokenizer
+from tests.fixtures.bpe import train_byte_level_bpe
 
 CORPUS = [
     "Hello world, stop here and more text follows.",
@@ -28,16 +27,7 @@ CORPUS = [
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    backend = BackendTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(CORPUS, trainer)
+    backend = train_byte_level_bpe(CORPUS, 600, ["<|endoftext|>"])
     return Tokenizer(backend, special_tokens={"eos_token": "<|endoftext|>"})
 
 
