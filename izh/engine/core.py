@@ -66,8 +66,6 @@ class EngineCore:
         self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self._queued_ts: dict[str, float] = {}
         self._scheduled_ts: dict[str, float] = {}
-        self._num_prompt_tokens_computed = 0
-        self._num_generation_tokens = 0
         self._iteration_tokens: list[int] = []
         self.last_forward_s = 0.0
         self.last_step_is_decode = False
@@ -134,9 +132,6 @@ class EngineCore:
         self.last_forward_s = runner_out.forward_s
         self.last_step_is_decode = sched.total_num_scheduled_tokens == len(sched.scheduled)
         self._iteration_tokens.append(sched.total_num_scheduled_tokens)
-        for s in sched.scheduled:
-            prompt_left = s.request.num_prompt_tokens - s.num_computed_tokens_before
-            self._num_prompt_tokens_computed += max(0, min(prompt_left, s.num_scheduled_tokens))
         for request_id, entries in runner_out.prompt_logprobs.items():
             self._prompt_logprobs.setdefault(request_id, []).extend(entries)
         changed = self.scheduler.update_from_output(sched, runner_out.sampled_token_ids)
@@ -205,7 +200,6 @@ class EngineCore:
         sent = self._num_sent.get(request.request_id, 0)
         new_token_ids = request.output_token_ids[sent:]
         self._num_sent[request.request_id] = request.num_output_tokens
-        self._num_generation_tokens += len(new_token_ids)
         prompt_logprobs = None
         queued_ts = scheduled_ts = 0.0
         if sent == 0 and new_token_ids:
@@ -249,8 +243,8 @@ class EngineCore:
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
             num_preemptions=s["num_preemptions"],
             num_steps=s["num_steps"],
-            num_prompt_tokens=self._num_prompt_tokens_computed,
-            num_generation_tokens=self._num_generation_tokens,
+            num_prompt_tokens=s["num_prompt_tokens"],
+            num_generation_tokens=s["num_generation_tokens"],
             iteration_tokens=iteration_tokens,
         )
 
