@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -270,7 +271,8 @@ class ModelRunner:
 
         A prompt row at position p gives the logprob of prompt token p + 1; position 0 has none.
         """
-        qsl = attn_metadata.query_start_loc.tolist()
+        # From the host copy of the query lengths: no device sync on GPU.
+        qsl = [0, *itertools.accumulate(attn_metadata.host_query_lens())]
         sample_rows = []
         prompt_rows = []
         for i, s in enumerate(scheduled):
