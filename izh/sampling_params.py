@@ -179,6 +179,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    """Accepted for vLLM compatibility; like transformers' and vLLM's fast (Rust) tokenizers, which are
+    the only kind izh loads, decoding never inserts spaces between special tokens, so it changes nothing."""
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
