@@ -13,7 +13,11 @@ class EngineConfig:
     """A local GGUF file or Hugging Face folder (already resolved; never a bare model name)."""
     served_model_name: str = "model"
     dtype: str = "auto"
-    """auto | float32 | bfloat16 | float16; auto is float32 on CPU, bfloat16 on CUDA."""
+    """auto | float32 | bfloat16 | float16; auto is bfloat16 on CUDA, and on CPU bfloat16 for a
+    quantized GGUF when the CPU has native bfloat16 (AVX512-BF16 / AMX), float32 otherwise."""
+    quantization: str = "auto"
+    """auto | none | int4 | int8: weight-only packed matmuls for small CPU batches (bfloat16 only); auto
+    packs what a GGUF stores quantized, int4 / int8 pack every linear."""
     device: str = "auto"
     """auto | cpu | cuda."""
     max_model_len: int | None = None

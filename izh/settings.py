@@ -158,7 +158,14 @@ class ModelSettings(_Section):
     )
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], CaseInsensitive] = Field(
         default="auto",
-        description="Weight and activation dtype; auto is float32 on CPU and bfloat16 on CUDA.",
+        description="Weight and activation dtype; auto is bfloat16 on CUDA, and on CPU bfloat16 for a "
+        "quantized GGUF when the CPU has native bfloat16 (AVX512-BF16 or AMX), else float32.",
+    )
+    quantization: Annotated[Literal["auto", "none", "int4", "int8"], CaseInsensitive] = Field(
+        default="auto",
+        description="Weight-only packed matmuls for decode batches of up to 4 tokens on CPU (bfloat16): "
+        "auto packs what a GGUF stores quantized (Q4 as int4, exact); int4 / int8 pack every linear "
+        "(lossy for a float checkpoint); none keeps dense weights only.",
     )
     device: Annotated[Literal["auto", "cpu", "cuda"], CaseInsensitive] = Field(
         default="auto", description="Device to run on; auto picks CUDA when available, else CPU."
@@ -515,6 +522,7 @@ class IzhSettings(BaseSettings):
             model=model_path,
             served_model_name=self.served_model_name,
             dtype=model.dtype,
+            quantization=model.quantization,
             device=model.device,
             max_model_len=model.max_model_len,
             block_size=engine.block_size,

@@ -21,7 +21,8 @@ from izh.errors import ModelLoadError
 from izh.model.attention import AttentionMetadata, get_attention_backend
 from izh.model.config import ModelConfig
 from izh.model.llama import LlamaForCausalLM
-from izh.model.loader import load_model
+from izh.model.loader import checkpoint_quant_types, load_model
+from izh.model.quant import pack_model_weights, resolve_quantization
 from izh.protocol import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -43,9 +44,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def cpu_has_fast_bfloat16() -> bool:
+    """AVX512-BF16 or AMX: bfloat16 matmuls run natively (elsewhere they are emulated and slower)."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def resolve_dtype(name: str, device: torch.device, *, quantized_checkpoint: bool = False) -> torch.dtype:
+    """auto: bfloat16 on CUDA; on CPU bfloat16 for a quantized checkpoint (a Q4 GGUF's weights carry
+    far less precision than bfloat16) when the CPU has native bfloat16, else float32."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or (quantized_checkpoint and cpu_has_fast_bfloat16()):
+            return torch.bfloat16
+        return torch.float32
     try:
         return _DTYPES[name]
     except KeyError:
@@ -88,7 +98,11 @@ class ModelRunner:
     ) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        source_types = checkpoint_quant_types(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.device, quantized_checkpoint=bool(source_types))
+        self.quantization = resolve_quantization(
+            config.quantization, device=self.device, dtype=self.dtype, source_types=source_types
+        )
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         start = time.perf_counter()
@@ -98,6 +112,7 @@ class ModelRunner:
         # Every registered architecture is a LlamaForCausalLM (see izh.model.registry).
         self.model = cast(LlamaForCausalLM, model)
         self.model.eval()
+        pack_model_weights(self.model, self.quantization, source_types, requested=config.quantization)
         logger.info("model loaded in %.2f s (%s, %s)", time.perf_counter() - start, self.device, self.dtype)
         self.max_model_len = self._resolve_max_model_len(config, self.model_config)
         self.block_size = config.block_size

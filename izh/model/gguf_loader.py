@@ -39,6 +39,7 @@ _BLOCK_NAMES = {
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
 def gguf_model_config(file: GGUFFile) -> ModelConfig:
@@ -108,6 +109,7 @@ def gguf_checkpoint_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[Che
             shape=t.shape,
             source=f"GGUF tensor {t.name}",
             read=_reader(file, t, heads),
+            quant_type=None if t.ggml_type.name in _FLOAT_TYPES else t.ggml_type.name,
         )
 
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from izh.model.quant import SMALL_BATCH_MAX_ROWS, PackedWeight
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, over the last dim."""
@@ -60,6 +62,8 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
+        self.packed: PackedWeight | None = None
+        """Weight-only int4/int8 copy for batches of <= SMALL_BATCH_MAX_ROWS rows (izh.model.quant)."""
 
     def shard_rows(self) -> list[tuple[str | None, int, int]]:
         """(checkpoint shard name or None if unpacked, first row, end row) for each shard."""
@@ -72,6 +76,9 @@ class Linear(nn.Module):
         return rows
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.packed is not None and x.shape[0] <= SMALL_BATCH_MAX_ROWS:
+            y = self.packed.matmul(x)
+            return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -26,6 +26,7 @@ from izh.model.layers import (
     VocabEmbedding,
     apply_rotary,
 )
+from izh.model.quant import SMALL_BATCH_MAX_ROWS, PackedWeight
 
 
 class DecoderAttention(nn.Module):
@@ -146,6 +147,8 @@ class LlamaForCausalLM(nn.Module):
             config.rope_scaling,
             dtype=dtype,
         )
+        self.packed_lm_head: PackedWeight | None = None
+        """Weight-only copy of the LM head for small batches (izh.model.quant.pack_model_weights)."""
         self.reference_backend: AttentionBackend = ReferenceAttentionBackend()
         self.paged_backend: AttentionBackend = PagedTorchAttentionBackend()
         self._kv_caches_bound = False
@@ -164,6 +167,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """float32 logits [n, vocab_size] for hidden states [n, hidden_size]."""
+        if self.packed_lm_head is not None and hidden_states.shape[0] <= SMALL_BATCH_MAX_ROWS:
+            return self.packed_lm_head.matmul(hidden_states).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden_states, weight).float()
 

@@ -50,6 +50,20 @@ def load_model_config(path: str) -> ModelConfig:
     return config
 
 
+def checkpoint_quant_types(path: str) -> dict[str, str]:
+    """transformers' name -> stored type of each tensor a GGUF file stores quantized ({} for a HF folder
+    of float safetensors); reads only the file's descriptors."""
+    if not is_gguf(path):
+        return {}
+    with GGUFFile(path) as file:
+        config = gguf_loader.gguf_model_config(file)
+        return {
+            t.name: t.quant_type
+            for t in gguf_loader.gguf_checkpoint_tensors(file, config)
+            if t.quant_type is not None
+        }
+
+
 def load_model(
     path: str,
     *,

@@ -29,6 +29,8 @@ class CheckpointTensor:
     source: str
     """Where it lives, for error messages (file and name in the file)."""
     read: Callable[[], Tensor]
+    quant_type: str | None = None
+    """The stored format when it is not a plain float (a GGUF type name such as "Q4_1"); None otherwise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,17 @@ def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
         for param_name, param in module.named_parameters(recurse=False):
             targets[f"{prefix}{param_name}"] = _Target(param, None, tuple(param.shape))
     return targets
+
+
+def linear_checkpoint_names(model: nn.Module) -> dict[Linear, list[str]]:
+    """Each Linear -> the checkpoint weight names that fill it (one per packed shard)."""
+    names: dict[Linear, list[str]] = {}
+    by_param = {id(m.weight): m for m in model.modules() if isinstance(m, Linear)}
+    for name, target in checkpoint_targets(model).items():
+        linear = by_param.get(id(target.param))
+        if linear is not None:
+            names.setdefault(linear, []).append(name)
+    return names
 
 
 def _is_ignorable(name: str, tied: bool) -> bool:

@@ -214,12 +214,33 @@ def test_bad_requests_fail_alone(llama: LLM) -> None:
 def test_smollm2_chat_greedy_equals_transformers(smollm2_gguf: str, smollm2_hf_reference) -> None:
     from tests.fixtures.smollm2 import NUM_GENERATED, SMOLLM2_CHAT_MESSAGES
 
-    llm = LLM(smollm2_gguf, kv_cache_memory_bytes=64 << 20, max_model_len=512, show_progress=False)
+    # float32 and dense weights, as transformers runs the dequantized GGUF (auto would take bfloat16 + int4).
+    llm = LLM(
+        smollm2_gguf, dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=512, show_progress=False
+    )
     params = SamplingParams(temperature=0.0, max_tokens=NUM_GENERATED, ignore_eos=True)
     out = llm.chat(SMOLLM2_CHAT_MESSAGES, params)[0]
     assert out.prompt_token_ids == smollm2_hf_reference.prompt_ids
     assert out.outputs[0].token_ids == smollm2_hf_reference.greedy_tokens
     assert "Paris" in out.outputs[0].text
+
+
+@pytest.mark.slow
+def test_smollm2_default_bfloat16_int4_answers_like_transformers(
+    smollm2_gguf: str, smollm2_hf_reference
+) -> None:
+    from tests.fixtures.smollm2 import NUM_GENERATED, SMOLLM2_CHAT_MESSAGES
+
+    llm = LLM(smollm2_gguf, kv_cache_memory_bytes=64 << 20, max_model_len=512, show_progress=False)
+    runner = llm.engine_core.runner
+    if runner.dtype != torch.bfloat16:
+        pytest.skip("this CPU has no native bfloat16: auto stays float32 and dense")
+    assert runner.quantization == "int4"
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_GENERATED, ignore_eos=True)
+    out = llm.chat(SMOLLM2_CHAT_MESSAGES, params)[0].outputs[0]
+    # Other kernels and roundings than float32: the answer (its first 8 tokens) must still be the same.
+    assert out.token_ids[:8] == smollm2_hf_reference.greedy_tokens[:8]
+    assert out.text.startswith("The capital of France is Paris.")
 
 
 def test_invariants_hold_after_every_step_under_preemption(tiny_llama_dir: str, llama: LLM) -> None:

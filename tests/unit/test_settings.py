@@ -313,6 +313,7 @@ def test_to_engine_config_maps_every_field() -> None:
     overrides = {
         "model.served_model_name": "served",
         "model.dtype": "bfloat16",
+        "model.quantization": "int8",
         "model.device": "cpu",
         "model.max_model_len": 512,
         "engine.block_size": 32,
@@ -332,6 +333,7 @@ def test_to_engine_config_maps_every_field() -> None:
         model="/models/x.gguf",
         served_model_name="served",
         dtype="bfloat16",
+        quantization="int8",
         device="cpu",
         max_model_len=512,
         block_size=32,

@@ -1,0 +1,168 @@
+"""Weight-only int4 / int8 matmuls for small CPU batches.
+
+Decoding a few sequences on a CPU is bound by reading the weights from memory, not by arithmetic: every
+step streams all of them once per token row. Packed 4-bit weights are a quarter of bfloat16's bytes, so
+PyTorch's weight-only kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) run those steps
+several times faster. Larger batches are compute bound and stay on the dense bfloat16 matmul (oneDNN,
+AMX where present), which beats the weight-only kernels from about 8 rows up: each layer keeps both.
+
+Formats (as the kernels define them):
+- int4: groups of `group_size` along the input dim, asymmetric: w = (q - 8) * scale + zero, q in [0, 15];
+  scales and zeros stored as [in / group_size, out, 2] in the activation dtype.
+- int8: per output row, symmetric: w = q * scale, q in [-127, 127].
+
+A GGUF Q4_0 / Q4_1 tensor is exactly such an int4 tensor (group 32), so re-quantizing its dequantized
+values by each group's min and max recovers the file's own 4-bit codes: for those models the packed path
+loses nothing beyond rounding the scales to bfloat16.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from izh.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+SMALL_BATCH_MAX_ROWS = 4
+"""Rows (tokens) up to which a step uses the packed weights; measured crossover on AVX-512/AMX is 4-8."""
+INT4_GROUP_SIZE = 32
+QUANTIZATION_MODES = ("auto", "none", "int4", "int8")
+
+# GGUF tensor types whose values are exactly int4 with group 32 (see the module docstring).
+_GGUF_INT4_TYPES = frozenset({"Q4_0", "Q4_1"})
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Weight:
+    """A [out, in] weight packed for `_weight_int4pack_mm_for_cpu`."""
+
+    packed: Tensor
+    scales_zeros: Tensor
+    group_size: int
+
+    def matmul(self, x: Tensor) -> Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Weight:
+    """A [out, in] weight as int8 rows with one scale per row, for `_weight_int8pack_mm`."""
+
+    weight: Tensor
+    scales: Tensor
+
+    def matmul(self, x: Tensor) -> Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes
+
+
+PackedWeight = Int4Weight | Int8Weight
+
+
+def int4_supported(weight: Tensor, group_size: int = INT4_GROUP_SIZE) -> bool:
+    """The kernel's shape rules: rows a multiple of 16, columns a multiple of the group."""
+    out_features, in_features = weight.shape
+    return out_features % 16 == 0 and in_features % group_size == 0
+
+
+def quantize_int4(weight: Tensor, group_size: int = INT4_GROUP_SIZE) -> Int4Weight:
+    """Pack a [out, in] float weight as asymmetric int4 groups (scale and zero in the weight's dtype)."""
+    if not int4_supported(weight, group_size):
+        raise ValueError(
+            f"int4 packing needs out % 16 == 0 and in % {group_size} == 0, got {tuple(weight.shape)}"
+        )
+    out_features, in_features = weight.shape
+    groups = weight.detach().float().reshape(out_features, in_features // group_size, group_size)
+    low = groups.amin(dim=-1)
+    high = groups.amax(dim=-1)
+    scale = (high - low) / 15
+    # A constant group has no range: any positive scale codes it exactly (q = 0).
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.int32)
+    zero = low + 8 * scale  # w = (q - 8) * scale + zero  ==  q * scale + low
+    scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.reshape(out_features, in_features), 1)
+    return Int4Weight(packed=packed, scales_zeros=scales_zeros, group_size=group_size)
+
+
+def quantize_int8(weight: Tensor) -> Int8Weight:
+    """Symmetric int8 per output row (scale = max |w| / 127)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(weight=codes.contiguous(), scales=scale.to(weight.dtype))
+
+
+def resolve_quantization(
+    mode: str, *, device: torch.device, dtype: torch.dtype, source_types: dict[str, str]
+) -> str:
+    """The mode actually used: "none", "int4" or "int8".
+
+    auto packs only what the checkpoint already stores quantized (a GGUF with Q4/Q8 tensors), and only
+    where the kernels exist and pay off (CPU, bfloat16 activations). An explicit int4 / int8 packs every
+    linear (lossy for a float checkpoint) and needs the same conditions.
+    """
+    if mode not in QUANTIZATION_MODES:
+        raise ModelLoadError(f"unknown quantization {mode!r}; supported: {', '.join(QUANTIZATION_MODES)}")
+    if mode == "none":
+        return "none"
+    usable = device.type == "cpu" and dtype == torch.bfloat16
+    if mode == "auto":
+        quantized = any(t not in ("F32", "F16", "BF16") for t in source_types.values())
+        return "int4" if usable and quantized else "none"
+    if not usable:
+        raise ModelLoadError(
+            f"quantization {mode} runs on CPU with bfloat16 activations (this engine: {device.type}, "
+            f"{str(dtype).removeprefix('torch.')}); pass --dtype bfloat16 or --quantization none"
+        )
+    return mode
+
+
+def pack_model_weights(model: nn.Module, mode: str, source_types: dict[str, str], *, requested: str) -> int:
+    """Give every Linear (and the LM head) packed weights for small batches; returns the bytes added.
+
+    With mode "int4", a linear is packed as int4 when int4 was asked for explicitly, or (auto) when its
+    checkpoint tensors are all GGUF Q4_0 / Q4_1, which int4 holds exactly; any other linear, a shape the
+    int4 kernel cannot take, and the LM head (which decides the sampled token) get per-row int8.
+    """
+    from izh.model.layers import Linear
+    from izh.model.weights import linear_checkpoint_names
+
+    if mode == "none":
+        return 0
+    head = getattr(model, "lm_head", None)
+    added = 0
+    for linear, names in linear_checkpoint_names(model).items():
+        if linear is head:
+            continue
+        exact = {source_types.get(name, "F32") for name in names} <= _GGUF_INT4_TYPES
+        want_int4 = mode == "int4" and (requested == "int4" or exact)
+        packed: PackedWeight
+        if want_int4 and int4_supported(linear.weight):
+            packed = quantize_int4(linear.weight)
+        else:
+            packed = quantize_int8(linear.weight)
+        assert isinstance(linear, Linear)
+        linear.packed = packed
+        added += packed.nbytes
+    head_weight = head.weight if head is not None else model.get_submodule("model.embed_tokens").weight
+    lm_head_packed = quantize_int8(head_weight)
+    model.packed_lm_head = lm_head_packed
+    added += lm_head_packed.nbytes
+    logger.info(
+        "packed %s weights for batches of <= %d rows: %.1f MB", mode, SMALL_BATCH_MAX_ROWS, added / 1e6
+    )
+    return added

@@ -1,0 +1,144 @@
+"""Weight-only packed matmuls (izh.model.quant): formats, the auto policy, and the engine using them."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from izh.errors import ModelLoadError
+from izh.llm import LLM
+from izh.model.layers import Linear
+from izh.model.loader import checkpoint_quant_types, load_model
+from izh.model.quant import (
+    SMALL_BATCH_MAX_ROWS,
+    Int4Weight,
+    Int8Weight,
+    pack_model_weights,
+    quantize_int4,
+    quantize_int8,
+    resolve_quantization,
+)
+from izh.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+def _q4_1_values(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """A weight exactly as a GGUF Q4_1 tensor stores it, dequantized (by the gguf package)."""
+    rng = np.random.default_rng(seed)
+    raw = gguf.quants.quantize(
+        rng.normal(0, 0.05, (rows, cols)).astype(np.float32), gguf.GGMLQuantizationType.Q4_1
+    )
+    return torch.from_numpy(
+        gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).reshape(rows, cols).copy()
+    )
+
+
+def test_int4_packing_of_q4_1_values_recovers_them() -> None:
+    weight = _q4_1_values(64, 128)
+    packed = quantize_int4(weight.bfloat16())
+    # Multiplying by the identity reads the packed weight back: w = (q - 8) * scale + zero.
+    eye = torch.eye(128, dtype=torch.bfloat16)
+    unpacked = packed.matmul(eye).float().t()
+    # Exact but for bfloat16 rounding of the scales, zeros and the output (relative 2^-8 each).
+    err = (unpacked - weight).abs()
+    assert err.max() <= 0.01 * weight.abs().max(), err.max()
+    assert packed.nbytes < weight.numel() * 2 / 3  # 4-bit codes + bf16 scale/zero per 32 weights
+
+
+def test_int4_and_int8_matmuls_match_the_dense_product() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64) * 0.1
+    x = torch.randn(3, 64).bfloat16()
+    dense = x.float() @ weight.t()
+    for packed, tolerance in (
+        (quantize_int4(weight.bfloat16()), 0.12),
+        (quantize_int8(weight.bfloat16()), 0.02),
+    ):
+        out = packed.matmul(x).float()
+        assert out.shape == (3, 96)
+        rel = (out - dense).norm() / dense.norm()
+        assert rel < tolerance, (type(packed).__name__, rel)
+
+
+def test_constant_group_and_zero_row_pack_without_nan() -> None:
+    weight = torch.zeros(16, 64, dtype=torch.bfloat16)
+    weight[0, :32] = 0.5
+    x = torch.ones(1, 64, dtype=torch.bfloat16)
+    for packed in (quantize_int4(weight), quantize_int8(weight)):
+        out = packed.matmul(x).float()
+        assert torch.isfinite(out).all()
+        assert out[0, 0].item() == pytest.approx(16.0) and out[0, 1:].abs().max() == 0
+
+
+def test_int4_rejects_shapes_the_kernel_cannot_take() -> None:
+    with pytest.raises(ValueError, match="out % 16"):
+        quantize_int4(torch.zeros(24, 64))
+
+
+def test_resolve_quantization_policy() -> None:
+    gguf_q4 = {"model.layers.0.mlp.up_proj.weight": "Q4_1"}
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert resolve_quantization("auto", device=CPU, dtype=bf16, source_types=gguf_q4) == "int4"
+    assert resolve_quantization("auto", device=CPU, dtype=fp32, source_types=gguf_q4) == "none"
+    assert resolve_quantization("auto", device=CPU, dtype=bf16, source_types={}) == "none"
+    assert resolve_quantization("none", device=CPU, dtype=bf16, source_types=gguf_q4) == "none"
+    assert resolve_quantization("int8", device=CPU, dtype=bf16, source_types={}) == "int8"
+    with pytest.raises(ModelLoadError, match=r"--dtype bfloat16 or --quantization none"):
+        resolve_quantization("int4", device=CPU, dtype=fp32, source_types={})
+    with pytest.raises(ModelLoadError, match="unknown quantization 'int3'"):
+        resolve_quantization("int3", device=CPU, dtype=bf16, source_types={})
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_gguf_packing_follows_the_stored_types(tiny_gguf_factory, qtype: str) -> None:
+    path = tiny_gguf_factory("llama", qtype)
+    types = checkpoint_quant_types(path)
+    assert types and set(types.values()) == {qtype}
+    model, _ = load_model(path, dtype=torch.bfloat16)
+    added = pack_model_weights(model, "int4", types, requested="auto")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    kinds = {type(m.packed) for m in linears}
+    # Q4_1 holds exactly in int4; Q8_0 would lose precision there, so it gets int8.
+    assert kinds == ({Int4Weight} if qtype == "Q4_1" else {Int8Weight})
+    assert isinstance(model.packed_lm_head, Int8Weight)
+    assert added == sum(m.packed.nbytes for m in linears) + model.packed_lm_head.nbytes
+
+
+def test_small_batches_use_the_packed_weights_and_stay_close_to_dense(tiny_gguf_factory) -> None:
+    path = tiny_gguf_factory("llama", "Q4_1")
+    model, _ = load_model(path, dtype=torch.bfloat16)
+    pack_model_weights(model, "int4", checkpoint_quant_types(path), requested="auto")
+    linear = model.model.layers[0].mlp.gate_up_proj
+    torch.manual_seed(1)
+    x = torch.randn(SMALL_BATCH_MAX_ROWS + 1, linear.in_features).bfloat16()
+    small = linear(x[:SMALL_BATCH_MAX_ROWS])
+    big = linear(x)  # over the threshold: the dense bfloat16 weight
+    assert torch.equal(big, torch.nn.functional.linear(x, linear.weight))
+    assert torch.equal(small, linear.packed.matmul(x[:SMALL_BATCH_MAX_ROWS]))
+    assert torch.allclose(small.float(), big[:SMALL_BATCH_MAX_ROWS].float(), rtol=0.05, atol=0.02)
+
+
+def test_engine_picks_bfloat16_and_int4_for_a_q4_gguf_and_generates_like_dense(tiny_gguf_factory) -> None:
+    path = tiny_gguf_factory("llama", "Q4_1")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    prompt = [{"prompt_token_ids": [5, 17, 33, 9, 61, 2]}]
+    auto = LLM(path, kv_cache_memory_bytes=4 << 20, show_progress=False)
+    runner = auto.engine_core.runner
+    assert (runner.dtype, runner.quantization) == (torch.bfloat16, "int4")
+    dense = LLM(
+        path, kv_cache_memory_bytes=4 << 20, show_progress=False, quantization="none", dtype="bfloat16"
+    )
+    assert dense.engine_core.runner.quantization == "none"
+    fp32 = LLM(path, kv_cache_memory_bytes=4 << 20, show_progress=False, dtype="float32")
+    assert (fp32.engine_core.runner.dtype, fp32.engine_core.runner.quantization) == (torch.float32, "none")
+    packed_out = auto.generate(prompt, params)[0].outputs[0]
+    dense_out = dense.generate(prompt, params)[0].outputs[0]
+    assert len(packed_out.token_ids) == 8
+    # Same weights, different kernels and roundings: the first token agrees, with a close log-probability.
+    assert packed_out.token_ids[0] == dense_out.token_ids[0]
+    assert packed_out.logprobs[0].chosen.logprob == pytest.approx(
+        dense_out.logprobs[0].chosen.logprob, abs=0.1
+    )
