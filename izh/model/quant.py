@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from izh.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from izh.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +135,7 @@ def resolve_quantization(
     return mode
 
 
-def pack_model_weights(model: nn.Module, mode: str, source_types: dict[str, str], *, requested: str) -> int:
+def pack_model_weights(model: LlamaForCausalLM, mode: str, source_types: dict[str, str], *, requested: str) -> int:
     """Give every Linear (and the LM head) packed weights for small batches; returns the bytes added.
 
     With mode "int4", a linear is packed as int4 when int4 was asked for explicitly, or (auto) when its
@@ -143,7 +147,7 @@ def pack_model_weights(model: nn.Module, mode: str, source_types: dict[str, str]
 
     if mode == "none":
         return 0
-    head = getattr(model, "lm_head", None)
+    head = model.lm_head
     added = 0
     for linear, names in linear_checkpoint_names(model).items():
         if linear is head:
@@ -158,7 +162,7 @@ def pack_model_weights(model: nn.Module, mode: str, source_types: dict[str, str]
         assert isinstance(linear, Linear)
         linear.packed = packed
         added += packed.nbytes
-    head_weight = head.weight if head is not None else model.get_submodule("model.embed_tokens").weight
+    head_weight = head.weight if head is not None else model.model.embed_tokens.weight
     lm_head_packed = quantize_int8(head_weight)
     model.packed_lm_head = lm_head_packed
     added += lm_head_packed.nbytes
