@@ -2,7 +2,8 @@
 
     python bench/offline_throughput.py --batch-sizes 1,8,32,128 --input-len 128 --output-len 128
 
-Both run the same weights (the default SmolLM2 GGUF, dequantized) in the same dtype on this machine.
+Both run the same weights (the default SmolLM2 GGUF, dequantized for transformers) in the same dtype
+on this machine; izh may also use its packed int4/int8 copies of them for small batches (--quantization).
 Writes one JSON under bench_results/ (git sha, command, machine, torch version, results).
 """
 
@@ -148,7 +149,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,8,32,128")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="izh's dtype; transformers runs the one izh resolved")
+    ap.add_argument("--quantization", default="auto", help="izh's weight packing (auto|none|int4|int8)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (izh only)")
     ap.add_argument("--hf-max-batch", type=int, default=32, help="largest batch run through transformers")
     ap.add_argument("--out", default=None, help="result JSON path (default bench_results/...)")
@@ -161,6 +163,7 @@ def main() -> None:
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=args.input_len + args.output_len + 16,
         max_num_seqs=max(batch_sizes),
         max_num_batched_tokens=max(2048, args.input_len),
@@ -170,13 +173,15 @@ def main() -> None:
     load_s = time.perf_counter() - t0
     rss_after_load = peak_rss_mib()
     vocab = llm.engine_core.vocab_size
+    runner = llm.engine_core.runner
+    dtype = runner.dtype  # what "auto" resolved to: transformers runs the same
     hf_model = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
         path = Path(llm.model_path)
         hf_model = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, torch_dtype=getattr(torch, args.dtype)
+            path.parent, gguf_file=path.name, torch_dtype=dtype
         ).eval()
 
     results = []
@@ -196,7 +201,9 @@ def main() -> None:
         "offline_throughput",
         {
             "model": args.model,
-            "dtype": args.dtype,
+            "dtype": str(dtype).removeprefix("torch."),
+            "quantization": runner.quantization,
+            "num_threads": torch.get_num_threads(),
             "input_len": args.input_len,
             "output_len": args.output_len,
             "load_s": load_s,

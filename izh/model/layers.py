@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from izh.kernels import cpu as cpu_ops
 from izh.model.quant import SMALL_BATCH_MAX_ROWS, PackedWeight
 
 
@@ -27,11 +28,15 @@ class RMSNorm(nn.Module):
         self.normalized_shape = (size,)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
-        # transformers normalizes in float32 and rounds before the weight; match it for low precision.
-        normed = F.rms_norm(x.float(), self.normalized_shape, None, self.eps).to(x.dtype)
-        return normed * self.weight
+        # transformers normalizes in float32 and rounds before the weight; cpu_ops matches it (one fused
+        # C kernel on CPU, torch ops elsewhere).
+        if x.dim() == 2:
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
+        return cpu_ops.rms_norm_ref(x, self.weight, self.eps)
+
+    def add_forward(self, x: Tensor, residual: Tensor) -> Tensor:
+        """residual += x in place, then the norm of the new residual (one kernel instead of two)."""
+        return cpu_ops.add_rms_norm_(x, residual, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -110,8 +115,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(cpu_ops.silu_mul(gate_up))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> Tensor:
@@ -183,6 +187,11 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: Tensor) -> Tensor:
         """cos|sin rows [num_tokens, head_dim] for absolute positions; pass them to `apply_rotary`."""
         return self.cos_sin_cache.index_select(0, positions)
+
+
+def apply_rotary_(x: Tensor, cos_sin: Tensor) -> None:
+    """`apply_rotary` in place (x may be a strided view, e.g. the q and k heads of a packed qkv)."""
+    cpu_ops.rotary_(x, cos_sin)
 
 
 def apply_rotary(x: Tensor, cos_sin: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ from izh.model.layers import (
     RMSNorm,
     RotaryEmbedding,
     VocabEmbedding,
-    apply_rotary,
+    apply_rotary_,
 )
 from izh.model.quant import SMALL_BATCH_MAX_ROWS, PackedWeight
 
@@ -63,12 +63,14 @@ class DecoderAttention(nn.Module):
         h, kvh = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(hidden_states).view(num_tokens, h + 2 * kvh, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = apply_rotary(self.q_norm(qkv[:, :h]), cos_sin)
-            k = apply_rotary(self.k_norm(qkv[:, h : h + kvh]), cos_sin)
+            q = self.q_norm(qkv[:, :h])
+            k = self.k_norm(qkv[:, h : h + kvh])
+            apply_rotary_(q, cos_sin)
+            apply_rotary_(k, cos_sin)
         else:
-            # One rotation for q and k together: fewer ops per layer.
-            qk = apply_rotary(qkv[:, : h + kvh], cos_sin)
-            q, k = qk[:, :h], qk[:, h:]
+            # One in-place rotation of q and k together, inside the fresh qkv buffer.
+            apply_rotary_(qkv[:, : h + kvh], cos_sin)
+            q, k = qkv[:, :h], qkv[:, h : h + kvh]
         v = qkv[:, h + kvh :]
         out = backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale)  # [num_tokens, h, d]
         return self.o_proj(out.reshape(num_tokens, h * self.head_dim))
@@ -87,14 +89,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden_states: Tensor,
+        residual: Tensor | None,
         cos_sin: Tensor,
         attn_metadata: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> Tensor:
-        attn_out = self.self_attn(self.input_layernorm(hidden_states), cos_sin, attn_metadata, backend)
-        hidden_states = attn_out.add_(hidden_states)  # attn_out is fresh: add in place, save an alloc
-        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
-        return mlp_out.add_(hidden_states)
+    ) -> tuple[Tensor, Tensor]:
+        """(this block's MLP output, the residual stream before it): the next block (or the final
+        norm) adds the two inside its norm kernel. residual None = the first block (input = stream)."""
+        if residual is None:
+            residual = hidden_states
+            normed = self.input_layernorm(hidden_states)
+        else:
+            normed = self.input_layernorm.add_forward(hidden_states, residual)  # residual += h
+        attn_out = self.self_attn(normed, cos_sin, attn_metadata, backend)
+        normed = self.post_attention_layernorm.add_forward(attn_out, residual)  # residual += attn
+        return self.mlp(normed), residual
 
 
 class DecoderModel(nn.Module):
@@ -117,9 +126,12 @@ class DecoderModel(nn.Module):
         backend: AttentionBackend,
     ) -> Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        residual: Tensor | None = None
         for layer in self.layers:
-            hidden_states = layer(hidden_states, cos_sin, attn_metadata, backend)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer(hidden_states, residual, cos_sin, attn_metadata, backend)
+        if residual is None:
+            return self.norm(hidden_states)
+        return self.norm.add_forward(hidden_states, residual)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from izh.errors import ModelLoadError
+from izh.kernels import cpu as cpu_ops
 from izh.model import AttentionMetadata, PagedTorchAttentionBackend, ReferenceAttentionBackend, load_model
 from izh.model.attention import get_attention_backend
 
@@ -218,8 +219,9 @@ def test_paged_model_in_chunks_matches_reference(kind: str, tiny_checkpoint_fact
                 block_size,
             )
             hidden = model(torch.tensor(ids), positions, meta)
-            # The masks/gather indices were built once for the step, not once per layer.
-            assert len(meta.derived) == 1
+            # The masks/gather indices were built once for the step, not once per layer (none at all for
+            # a decode-only step on the fused CPU kernel, which reads the block tables directly).
+            assert len(meta.derived) == (0 if meta.max_query_len == 1 and cpu_ops.available() else 1)
             start = 0
             for name, lo, hi in step:
                 got = hidden[start : start + hi - lo]

@@ -1,0 +1,559 @@
+/* Fused CPU kernels for single-token decode steps; see izh/kernels/cpu/__init__.py for the contract.
+ *
+ * Plain C11 + OpenMP, no torch headers. Built by the Python module with
+ *   gcc -O3 -march=native -std=c11 -fPIC -shared -fopenmp -ffp-contract=off -fno-math-errno
+ *       -mprefer-vector-width=512 ...
+ * -ffp-contract=off matters: the float32 rotary kernel must round every product separately (no FMA) to
+ * be bit-identical to torch's elementwise ops.
+ *
+ * Every kernel exists twice, `_f32` and `_bf16`; bf16 is stored as uint16_t. Both are stamped out of one
+ * always_inline body with a compile-time `bf` flag, so each copy is specialised and auto-vectorised.
+ * bf16 rounding follows c10::BFloat16 (round to nearest even, NaN -> 0x7FC0); `rnd(v, 1)` rounds a float
+ * through bf16 the way a torch bf16 elementwise op rounds its fp32 result.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+/* The library is built with -ffp-contract=off (rotary must round like torch); attention, which has no
+ * bit-exact reference, lets the compiler fuse multiply-adds. Correct either way; only speed depends on it. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define FAST_FP __attribute__((optimize("fp-contract=fast")))
+#else
+#define FAST_FP
+#endif
+
+/* Work (elements) below which the row kernels stay on the calling thread. */
+#define PAR_MIN_ELEMS 65536
+/* Work (sum of seq_len * num_heads * head_dim) below which attention stays on the calling thread: about
+ * 100 us of single-thread work; below that a second thread buys little and costs a wake-up. */
+#define PAR_MIN_ATTN (1 << 19)
+
+INLINE float bf2f(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+INLINE uint16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint16_t r = (uint16_t)((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+    return f != f ? (uint16_t)0x7FC0 : r;
+}
+
+INLINE float ld(const void *p, int64_t i, const int bf) {
+    return bf ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+INLINE void st(void *p, int64_t i, float v, const int bf) {
+    if (bf)
+        ((uint16_t *)p)[i] = f2bf(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+INLINE float rnd(float v, const int bf) { return bf ? bf2f(f2bf(v)) : v; }
+
+INLINE char *off(const void *p, int64_t elems, const int bf) {
+    return (char *)p + elems * (bf ? 2 : 4);
+}
+
+/* exp(x) in fp32, branch-free so loops over it vectorise (libm's expf does not without -ffast-math).
+ * Cephes expf: n = round(x / ln2), r = x - n ln2 (two-constant Cody-Waite), degree-7 polynomial for
+ * e^r on [-ln2/2, ln2/2], then scale by 2^n as two factors 2^(n/2) so n in [-150, 128] stays in range
+ * (a single rounding into the subnormals). About 1 ulp; overflow -> inf, underflow -> 0, NaN -> NaN. */
+INLINE float exp_f32(float x) {
+    float xc = x < -104.0f ? -104.0f : x;
+    xc = xc > 88.8f ? 88.8f : xc;
+    float t = xc * 1.44269504088896341f + 12582912.0f; /* 1.5 * 2^23: round to nearest integer */
+    float n = t - 12582912.0f;
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * (r * r) + r + 1.0f;
+    int32_t ni = (int32_t)n;
+    int32_t n1 = ni / 2;
+    int32_t n2 = ni - n1;
+    uint32_t b1 = (uint32_t)(n1 + 127) << 23, b2 = (uint32_t)(n2 + 127) << 23;
+    float s1, s2;
+    memcpy(&s1, &b1, sizeof s1);
+    memcpy(&s2, &b2, sizeof s2);
+    y = y * s1 * s2;
+    y = x > 88.72283935546875f ? INFINITY : y;
+    y = x < -103.972084f ? 0.0f : y;
+    return x != x ? x : y;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* RMSNorm: out = x * (1 / sqrt(sum(x^2) / h + eps)) * w, each op rounded as torch's composite rms_norm
+ * rounds it (x^2, the row sum, / h, + eps, sqrt, 1 / ., x * inv, then * w; bf16 rounds x * inv to bf16
+ * before the weight). The row sum adds in exactly the order of torch's CPU sum kernel (SumKernel.cpp:
+ * vectorized_inner_sum -> row_sum -> multi_row_sum, 8-lane vectors, 4 accumulators, a 4-level cascade,
+ * then the scalar tail and the 8 lanes in order; rows shorter than 8 take the scalar version), so the
+ * results are bit-identical to the reference. */
+
+#define TORCH_LANES 8
+
+INLINE float sq(const void *x, int64_t j, const int bf) {
+    const float v = ld(x, j, bf);
+    return v * v;
+}
+
+INLINE int64_t ceil_log2(int64_t x) { /* at::native::utils::CeilLog2 */
+    if (x <= 2) return 1;
+    int64_t r = 0;
+    for (uint64_t v = (uint64_t)(x - 1); v; v >>= 1) r++;
+    return r;
+}
+
+/* One copy per (V, dtype) via constant propagation; not inlined into each caller (compile time). */
+static __attribute__((noinline)) float torch_sumsq_lanes(const void *x, int64_t h, const int64_t V,
+                                                         const int bf) {
+    const int64_t vec_size = h / V, size_ilp = vec_size / 4;
+    int64_t level_power = ceil_log2(size_ilp) / 4;
+    level_power = level_power < 4 ? 4 : level_power;
+    const int64_t level_step = (int64_t)1 << level_power, level_mask = level_step - 1;
+    float acc[4][4][TORCH_LANES];
+    memset(acc, 0, sizeof acc);
+    int64_t i = 0;
+    while (i + level_step <= size_ilp) {
+        for (int64_t j = 0; j < level_step; j++, i++)
+            for (int k = 0; k < 4; k++)
+                for (int64_t l = 0; l < V; l++) acc[0][k][l] += sq(x, (i * 4 + k) * V + l, bf);
+        for (int lv = 1; lv < 4; lv++) {
+            for (int k = 0; k < 4; k++)
+                for (int64_t l = 0; l < V; l++) {
+                    acc[lv][k][l] += acc[lv - 1][k][l];
+                    acc[lv - 1][k][l] = 0.0f;
+                }
+            if (i & (level_mask << (lv * level_power))) break;
+        }
+    }
+    for (; i < size_ilp; i++)
+        for (int k = 0; k < 4; k++)
+            for (int64_t l = 0; l < V; l++) acc[0][k][l] += sq(x, (i * 4 + k) * V + l, bf);
+    for (int lv = 1; lv < 4; lv++)
+        for (int k = 0; k < 4; k++)
+            for (int64_t l = 0; l < V; l++) acc[0][k][l] += acc[lv][k][l];
+    for (int64_t t = size_ilp * 4; t < vec_size; t++)
+        for (int64_t l = 0; l < V; l++) acc[0][0][l] += sq(x, t * V + l, bf);
+    for (int k = 1; k < 4; k++)
+        for (int64_t l = 0; l < V; l++) acc[0][0][l] += acc[0][k][l];
+    if (V == 1) return acc[0][0][0];
+    float total = 0.0f;
+    for (int64_t t = vec_size * V; t < h; t++) total += sq(x, t, bf);
+    for (int64_t l = 0; l < V; l++) total += acc[0][0][l];
+    return total;
+}
+
+INLINE float rms_inv(const void *x, int64_t h, float eps, const int bf) {
+    const float ss =
+        h < TORCH_LANES ? torch_sumsq_lanes(x, h, 1, bf) : torch_sumsq_lanes(x, h, TORCH_LANES, bf);
+    return 1.0f / sqrtf(ss / (float)h + eps);
+}
+
+INLINE void rms_norm_row(const void *x, const void *w, void *out, int64_t h, float eps, const int bf) {
+    const float inv = rms_inv(x, h, eps, bf);
+    for (int64_t j = 0; j < h; j++) st(out, j, rnd(ld(x, j, bf) * inv, bf) * ld(w, j, bf), bf);
+}
+
+/* residual += x, rounded to the dtype. */
+INLINE void add_row(const void *x, void *res, int64_t h, const int bf) {
+    for (int64_t j = 0; j < h; j++) st(res, j, ld(x, j, bf) + ld(res, j, bf), bf);
+}
+
+/* SiLU(gate) * up on one row [gate | up]; silu rounds to the dtype before the product, as in torch. */
+INLINE void silu_mul_row(const void *gu, void *out, int64_t inter, const int bf) {
+    const void *up = off(gu, inter, bf);
+    for (int64_t j = 0; j < inter; j++) {
+        float g = ld(gu, j, bf);
+        float s = rnd(g / (1.0f + exp_f32(-g)), bf);
+        st(out, j, s * ld(up, j, bf), bf);
+    }
+}
+
+/* Rotate-half RoPE over one head, in place; every product / sum rounds to the dtype (torch's ops). */
+INLINE void rotary_head(void *x, const void *cs, int64_t half, const int bf) {
+    void *x2p = off(x, half, bf);
+    const void *sp = off(cs, half, bf);
+    for (int64_t j = 0; j < half; j++) {
+        float x1 = ld(x, j, bf), x2 = ld(x2p, j, bf);
+        float c = ld(cs, j, bf), s = ld(sp, j, bf);
+        float o1 = rnd(x1 * c, bf) - rnd(x2 * s, bf);
+        float o2 = rnd(x2 * c, bf) + rnd(x1 * s, bf);
+        st(x, j, o1, bf);
+        st(x2p, j, o2, bf);
+    }
+}
+
+/* Row loops: serial for small work, an OpenMP team of `nt` (the caller's variable) otherwise. */
+#define ROW_LOOP(WORK, N, BODY)                                                    \
+    do {                                                                           \
+        if (nt <= 1 || (WORK) < PAR_MIN_ELEMS) {                                   \
+            for (int64_t r = 0; r < (N); r++) BODY;                                \
+        } else {                                                                   \
+            _Pragma("omp parallel for num_threads(nt) schedule(static)")           \
+            for (int64_t r = 0; r < (N); r++) BODY;                                \
+        }                                                                          \
+    } while (0)
+
+/* Per dtype: one non-inlined copy of each row function (shared by the serial and the parallel loop, which
+ * keeps the compile time down), then the exported kernels. */
+#define DEFINE_ROW_KERNELS(SFX, BF)                                                                          \
+    static __attribute__((noinline)) void rms_norm_row_##SFX(const void *x, const void *w, void *out,       \
+                                                             int64_t h, float eps) {                        \
+        rms_norm_row(x, w, out, h, eps, BF);                                                                 \
+    }                                                                                                        \
+    static __attribute__((noinline)) void silu_mul_row_##SFX(const void *gu, void *out, int64_t inter) {    \
+        silu_mul_row(gu, out, inter, BF);                                                                    \
+    }                                                                                                        \
+    static __attribute__((noinline)) void rotary_row_##SFX(void *x, int64_t head_stride, const void *cs,    \
+                                                           int64_t heads, int64_t d) {                      \
+        for (int64_t hh = 0; hh < heads; hh++) rotary_head(off(x, hh * head_stride, BF), cs, d / 2, BF);     \
+    }                                                                                                        \
+    void izh_rms_norm_##SFX(const void *x, int64_t x_stride, const void *w, void *out, int64_t n, int64_t h, \
+                            float eps, int nt) {                                                             \
+        ROW_LOOP(n * h, n, rms_norm_row_##SFX(off(x, r * x_stride, BF), w, off(out, r * h, BF), h, eps));   \
+    }                                                                                                        \
+    void izh_add_rms_norm_##SFX(const void *x, void *res, const void *w, void *out, int64_t n, int64_t h,   \
+                                float eps, int nt) {                                                         \
+        ROW_LOOP(n * h, n, {                                                                                 \
+            void *rr = off(res, r * h, BF);                                                                  \
+            add_row(off(x, r * h, BF), rr, h, BF);                                                           \
+            rms_norm_row_##SFX(rr, w, off(out, r * h, BF), h, eps);                                          \
+        });                                                                                                  \
+    }                                                                                                        \
+    void izh_silu_mul_##SFX(const void *gu, int64_t gu_stride, void *out, int64_t n, int64_t inter,         \
+                            int nt) {                                                                        \
+        ROW_LOOP(n * inter * 4, n,                                                                           \
+                 silu_mul_row_##SFX(off(gu, r * gu_stride, BF), off(out, r * inter, BF), inter));           \
+    }                                                                                                        \
+    void izh_rotary_##SFX(void *x, int64_t tok_stride, int64_t head_stride, const void *cs, int64_t n,      \
+                          int64_t heads, int64_t d, int nt) {                                                \
+        ROW_LOOP(n * heads * d, n,                                                                           \
+                 rotary_row_##SFX(off(x, r * tok_stride, BF), head_stride, off(cs, r * d, BF), heads, d));   \
+    }
+
+DEFINE_ROW_KERNELS(f32, 0)
+DEFINE_ROW_KERNELS(bf16, 1)
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Paged decode attention: one query token per sequence, work item = (sequence, kv head). Each thread
+ * has one scratch buffer (floats): scores [group * seq_len], value accumulators [group * d padded to a
+ * multiple of 32], 1/sum [group]. head_dim <= 32 * MAX_NC (the Python side checks). */
+
+/* Softmax over each head's scores in place, unnormalised (exp(s - max)); inv[hh] = 1 / sum. */
+INLINE FAST_FP void softmax_rows(float *restrict sc, float *restrict inv, int64_t group, int64_t L) {
+    for (int64_t hh = 0; hh < group; hh++) {
+        float *restrict sh = sc + hh * L;
+        float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int64_t p = 0; p < L; p++) m = sh[p] > m ? sh[p] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t p = 0; p < L; p++) {
+            float e = exp_f32(sh[p] - m);
+            sh[p] = e;
+            sum += e;
+        }
+        inv[hh] = 1.0f / sum;
+    }
+}
+
+/* One (sequence, KV head) item, in GCC vector extensions: 16 fp32 lanes (one AVX-512 register, two AVX2
+ * ones), no intrinsics. D is a compile-time constant for the common head sizes (64, 128).
+ *  - Rows load 32 elements at a time as two vectors (a last partial chunk through a zero-padded copy).
+ *    bf16 is widened without shuffles: 16 uint32 lanes hold element pairs, `u << 16` is the even
+ *    elements and `u & 0xFFFF0000` the odd ones; q and the value accumulators use the same (even, odd)
+ *    order, restored when the output is stored.
+ *  - Scores are taken 16 positions at a time (across KV blocks): 16 lane-wise products, then one
+ *    shuffle tree sums all 16 (31 shuffles instead of 64 for separate horizontal sums).
+ *  - Values: per 16 positions, per head, the D accumulators stay in registers. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+#define MAX_NC 16 /* D <= 512 */
+
+INLINE void ld32(const void *p, int64_t c, const int bf, v16f *a, v16f *b) {
+    if (bf) {
+        v16u u, hi = {0};
+        memcpy(&u, (const uint16_t *)p + 32 * c, sizeof u);
+        hi += 0xFFFF0000u;
+        *a = (v16f)(u << 16);
+        *b = (v16f)(u & hi);
+    } else {
+        memcpy(a, (const float *)p + 32 * c, sizeof *a);
+        memcpy(b, (const float *)p + 32 * c + 16, sizeof *b);
+    }
+}
+
+/* ld32 of chunk c of a D-element row; the last chunk may be partial (zero-padded, nothing read past D). */
+INLINE void ld32_row(const void *p, int64_t c, int64_t D, const int bf, v16f *a, v16f *b) {
+    const int64_t nv = D - 32 * c;
+    if (nv >= 32) {
+        ld32(p, c, bf, a, b);
+    } else {
+        float tmp[32] = {0};
+        memcpy(tmp, off(p, 32 * c, bf), (size_t)nv * (bf ? 2 : 4));
+        ld32(tmp, 0, bf, a, b);
+    }
+}
+
+/* Stores a * scale, b * scale as chunk c of a D-element row, undoing ld32's element order. */
+INLINE void st32_row(void *p, int64_t c, int64_t D, v16f a, v16f b, float scale, const int bf) {
+    const int64_t nv = D - 32 * c;
+    for (int l = 0; l < 16; l++) {
+        const int64_t ea = bf ? 2 * l : l, eb = bf ? 2 * l + 1 : 16 + l;
+        if (ea < nv) st(p, 32 * c + ea, a[l] * scale, bf);
+        if (eb < nv) st(p, 32 * c + eb, b[l] * scale, bf);
+    }
+}
+
+/* out[o] = sum of the lanes of a[o], for 16 vectors. */
+INLINE v16f sum16(v16f *a) {
+    const v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16i hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const v16i lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const v16i hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const v16i lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const v16i hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const v16i lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const v16i hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    /* after the four levels lane L holds the sum of a[bitreverse4(L)] */
+    const v16i rev = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    v16f b[8], c[4], d[2];
+    for (int k = 0; k < 8; k++)
+        b[k] = __builtin_shuffle(a[2 * k], a[2 * k + 1], lo8) + __builtin_shuffle(a[2 * k], a[2 * k + 1], hi8);
+    for (int k = 0; k < 4; k++)
+        c[k] = __builtin_shuffle(b[2 * k], b[2 * k + 1], lo4) + __builtin_shuffle(b[2 * k], b[2 * k + 1], hi4);
+    for (int k = 0; k < 2; k++)
+        d[k] = __builtin_shuffle(c[2 * k], c[2 * k + 1], lo2) + __builtin_shuffle(c[2 * k], c[2 * k + 1], hi2);
+    v16f e = __builtin_shuffle(d[0], d[1], lo1) + __builtin_shuffle(d[0], d[1], hi1);
+    return __builtin_shuffle(e, rev);
+}
+
+/* Pointers to the rows of positions p0 .. p0+m-1 (KV head g) through the block table, m = min(16, L - p0);
+ * returns m (0 past the end). Each row is prefetched: the rows are used one chunk later. */
+INLINE int64_t row_ptrs(const void **rows, const void *cache, const int32_t *blocks, int64_t p0, int64_t L,
+                        int64_t block_size, int64_t kvh, int64_t g, int64_t D, const int bf) {
+    const int64_t m = p0 >= L ? 0 : (L - p0 < 16 ? L - p0 : 16);
+    const int64_t row_bytes = D * (bf ? 2 : 4);
+    int64_t b = p0 / block_size, o = p0 - b * block_size;
+    for (int64_t k = 0; k < m; k++) {
+        rows[k] = off(cache, (((int64_t)blocks[b] * block_size + o) * kvh + g) * D, bf);
+        for (int64_t x = 0; x < row_bytes; x += 64) __builtin_prefetch((const char *)rows[k] + x);
+        if (++o == block_size) {
+            o = 0;
+            b++;
+        }
+    }
+    return m;
+}
+
+INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q_ts, int64_t q_hs,
+                                  const void *kc, const void *vc, int64_t block_size, int64_t kvh,
+                                  const int32_t *bt, int64_t max_blocks, int64_t L, void *out, int64_t H,
+                                  const int64_t D, float scale, float *buf, const int bf) {
+    const int64_t group = H / kvh, NC = (D + 31) / 32, DP = NC * 32; /* DP: D padded */
+    float *restrict sc = buf;
+    float *restrict acc = sc + group * L;
+    float *restrict inv = acc + group * DP;
+    const int32_t *blocks = bt + i * max_blocks;
+    const void *rows[2][16];
+
+    if (L <= 0) {
+        for (int64_t hh = 0; hh < group; hh++)
+            for (int64_t j = 0; j < D; j++) st(out, (i * H + g * group + hh) * D + j, 0.0f, bf);
+        return;
+    }
+    int64_t m = row_ptrs(rows[0], kc, blocks, 0, L, block_size, kvh, g, D, bf);
+    for (int64_t p0 = 0, cur = 0; p0 < L; p0 += 16, cur ^= 1) {
+        const void **rk = rows[cur];
+        const int64_t m_next = row_ptrs(rows[cur ^ 1], kc, blocks, p0 + 16, L, block_size, kvh, g, D, bf);
+        for (int64_t hh = 0; hh < group; hh++) {
+            const void *qp = off(q, i * q_ts + (g * group + hh) * q_hs, bf);
+            v16f qa[MAX_NC], qb[MAX_NC], a[16];
+            for (int64_t c = 0; c < NC; c++) ld32_row(qp, c, D, bf, &qa[c], &qb[c]);
+            for (int64_t o = 0; o < 16; o++) {
+                v16f x = {0}, ka, kb;
+                if (o < m)
+                    for (int64_t c = 0; c < NC; c++) {
+                        ld32_row(rk[o], c, D, bf, &ka, &kb);
+                        x += qa[c] * ka + qb[c] * kb;
+                    }
+                a[o] = x;
+            }
+            v16f sums = sum16(a) * scale;
+            float *sh = sc + hh * L + p0;
+            if (m == 16)
+                memcpy(sh, &sums, sizeof sums);
+            else
+                for (int64_t o = 0; o < m; o++) sh[o] = sums[o];
+        }
+        m = m_next;
+    }
+    softmax_rows(sc, inv, group, L);
+    for (int64_t j = 0; j < group * DP; j++) acc[j] = 0.0f;
+    m = row_ptrs(rows[0], vc, blocks, 0, L, block_size, kvh, g, D, bf);
+    for (int64_t p0 = 0, cur = 0; p0 < L; p0 += 16, cur ^= 1) {
+        const void **rv = rows[cur];
+        const int64_t m_next = row_ptrs(rows[cur ^ 1], vc, blocks, p0 + 16, L, block_size, kvh, g, D, bf);
+        for (int64_t hh = 0; hh < group; hh++) {
+            /* two accumulator sets (even / odd positions) halve the FMA dependency chains */
+            v16f aa[2][MAX_NC], ab[2][MAX_NC];
+            float *ah = acc + hh * DP;
+            for (int64_t c = 0; c < NC; c++) {
+                memcpy(&aa[0][c], ah + 32 * c, sizeof aa[0][c]);
+                memcpy(&ab[0][c], ah + 32 * c + 16, sizeof ab[0][c]);
+                aa[1][c] = (v16f){0};
+                ab[1][c] = (v16f){0};
+            }
+            const float *wh = sc + hh * L + p0;
+            int64_t o = 0;
+            for (; o + 1 < m; o += 2) {
+                const float w0 = wh[o], w1 = wh[o + 1];
+                for (int64_t c = 0; c < NC; c++) {
+                    v16f va, vb;
+                    ld32_row(rv[o], c, D, bf, &va, &vb);
+                    aa[0][c] += w0 * va;
+                    ab[0][c] += w0 * vb;
+                    ld32_row(rv[o + 1], c, D, bf, &va, &vb);
+                    aa[1][c] += w1 * va;
+                    ab[1][c] += w1 * vb;
+                }
+            }
+            if (o < m)
+                for (int64_t c = 0; c < NC; c++) {
+                    v16f va, vb;
+                    ld32_row(rv[o], c, D, bf, &va, &vb);
+                    aa[0][c] += wh[o] * va;
+                    ab[0][c] += wh[o] * vb;
+                }
+            for (int64_t c = 0; c < NC; c++) {
+                v16f sa = aa[0][c] + aa[1][c], sb = ab[0][c] + ab[1][c];
+                memcpy(ah + 32 * c, &sa, sizeof sa);
+                memcpy(ah + 32 * c + 16, &sb, sizeof sb);
+            }
+        }
+        m = m_next;
+    }
+    for (int64_t hh = 0; hh < group; hh++) {
+        void *oh = off(out, (i * H + g * group + hh) * D, bf);
+        for (int64_t c = 0; c < NC; c++) {
+            v16f aa, ab;
+            memcpy(&aa, acc + hh * DP + 32 * c, sizeof aa);
+            memcpy(&ab, acc + hh * DP + 32 * c + 16, sizeof ab);
+            st32_row(oh, c, D, aa, ab, inv[hh], bf);
+        }
+    }
+}
+
+/* Per dtype, one non-inlined item function (keeps the compile time down): head sizes 64 and 128 get
+ * compile-time copies, the rest (up to 32 * MAX_NC) the runtime-D one. */
+#define DEFINE_ATTN_ITEM(SFX, BF)                                                                             \
+    static FAST_FP __attribute__((noinline)) void attn_item_##SFX(                                           \
+        int64_t it, const void *q, int64_t q_ts, int64_t q_hs, const void *kc, const void *vc,              \
+        int64_t block_size, int64_t kvh, const int32_t *bt, int64_t max_blocks, const int32_t *seq_lens,    \
+        void *out, int64_t H, int64_t d, float scale, float *buf) {                                          \
+        const int64_t i = it / kvh, g = it % kvh, L = seq_lens[i];                                           \
+        if (d == 64)                                                                                         \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, bt, max_blocks, L, out, H, 64, scale, \
+                          buf, BF);                                                                          \
+        else if (d == 128)                                                                                   \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, bt, max_blocks, L, out, H, 128,      \
+                          scale, buf, BF);                                                                   \
+        else                                                                                                 \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, bt, max_blocks, L, out, H, d, scale,  \
+                          buf, BF);                                                                          \
+    }
+
+DEFINE_ATTN_ITEM(f32, 0)
+DEFINE_ATTN_ITEM(bf16, 1)
+
+/* Validates every index, then writes the new K/V (all writes precede all reads). Returns 0, or a
+ * negative code when an index is out of range (nothing is read or written out of bounds then):
+ * -1 slot_mapping >= num_blocks * block_size, -2 seq_len > max_blocks * block_size or < 0, -3 a block id
+ * outside [0, num_blocks). Slots < 0 are skipped (padding rows). Sets *max_len and *work (sum seq_len). */
+INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v, int64_t v_ts, int64_t v_hs,
+                        void *kc, void *vc, int64_t num_blocks, int64_t block_size, int64_t kvh,
+                        const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks,
+                        const int32_t *seq_lens, int64_t n, int64_t d, int64_t *max_len, int64_t *work,
+                        const int bf) {
+    const int64_t num_slots = num_blocks * block_size;
+    *max_len = 0;
+    *work = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t slot = slot_mapping[i];
+        const int64_t L = seq_lens[i];
+        if (slot >= num_slots) return -1;
+        if (L < 0 || L > max_blocks * block_size) return -2;
+        const int32_t *blocks = block_tables + i * max_blocks;
+        for (int64_t b = 0; b * block_size < L; b++)
+            if (blocks[b] < 0 || blocks[b] >= num_blocks) return -3;
+        *max_len = L > *max_len ? L : *max_len;
+        *work += L;
+    }
+    const size_t bytes = (size_t)d * (bf ? 2 : 4);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t slot = slot_mapping[i];
+        if (slot < 0) continue;
+        for (int64_t hh = 0; hh < kvh; hh++) {
+            memcpy(off(kc, (slot * kvh + hh) * d, bf), off(k, i * k_ts + hh * k_hs, bf), bytes);
+            memcpy(off(vc, (slot * kvh + hh) * d, bf), off(v, i * v_ts + hh * v_hs, bf), bytes);
+        }
+    }
+    return 0;
+}
+
+/* kv_cache: [2, num_blocks, block_size, kvh, d]; returns attn_prepare's code, or -4 when out of memory. */
+#define DEFINE_ATTENTION(SFX, BF)                                                                            \
+    FAST_FP int izh_paged_decode_attention_##SFX(                                                            \
+        const void *q, int64_t q_ts, int64_t q_hs, const void *k, int64_t k_ts, int64_t k_hs, const void *v,   \
+        int64_t v_ts, int64_t v_hs, void *kv_cache, int64_t num_blocks, int64_t block_size, int64_t kvh,     \
+        const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, \
+        void *out, int64_t n, int64_t H, int64_t d, float scale, int nt) {                                   \
+        void *kc = kv_cache;                                                                                 \
+        void *vc = off(kv_cache, num_blocks * block_size * kvh * d, BF);                                     \
+        int64_t max_len, work;                                                                               \
+        int rc = attn_prepare(k, k_ts, k_hs, v, v_ts, v_hs, kc, vc, num_blocks, block_size, kvh, slot_mapping, \
+                              block_tables, max_blocks, seq_lens, n, d, &max_len, &work, BF);                \
+        if (rc != 0) return rc;                                                                              \
+        const int64_t group = H / kvh;                                                                       \
+        const size_t scratch = (size_t)(group * (max_len + d + 32) + group) * sizeof(float);                \
+        const int64_t items = n * kvh;                                                                       \
+        int failed = 0;                                                                                      \
+        if (nt <= 1 || work * H * d < PAR_MIN_ATTN || items <= 1) {                                          \
+            float *buf = (float *)malloc(scratch);                                                           \
+            if (!buf) return -4;                                                                             \
+            for (int64_t it = 0; it < items; it++)                                                           \
+                attn_item_##SFX(it, q, q_ts, q_hs, kc, vc, block_size, kvh, block_tables, max_blocks,        \
+                                seq_lens, out, H, d, scale, buf);                                            \
+            free(buf);                                                                                       \
+        } else {                                                                                             \
+            _Pragma("omp parallel num_threads(nt) reduction(| : failed)") {                                  \
+                float *buf = (float *)malloc(scratch);                                                       \
+                failed |= buf == NULL;                                                                       \
+                _Pragma("omp for schedule(dynamic, 1)") for (int64_t it = 0; it < items; it++) if (buf)      \
+                    attn_item_##SFX(it, q, q_ts, q_hs, kc, vc, block_size, kvh, block_tables, max_blocks,    \
+                                    seq_lens, out, H, d, scale, buf);                                        \
+                free(buf);                                                                                   \
+            }                                                                                                \
+        }                                                                                                    \
+        return failed ? -4 : 0;                                                                              \
+    }
+
+DEFINE_ATTENTION(f32, 0)
+DEFINE_ATTENTION(bf16, 1)
+
+/* Lets the loader check it got the library it built. */
+int izh_cpu_abi_version(void) { return 1; }

@@ -1,0 +1,504 @@
+"""The fused CPU kernels (izh.kernels.cpu): the torch references against plain formulas (always), the C
+kernels against the references (when the library builds here), the build cache and the fallbacks."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import izh.kernels.cpu as K
+
+BF16 = torch.bfloat16
+DTYPES = [torch.float32, BF16]
+EPS = 1e-6
+
+needs_c = pytest.mark.skipif(
+    not K.available(), reason="C kernels unavailable here (IZH_CPU_KERNELS=0, no gcc, or the build failed)"
+)
+
+
+@pytest.fixture(autouse=True)
+def _two_threads() -> Iterator[None]:
+    # Two threads make the larger cases take the OpenMP paths.
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, scale: float = 1.0) -> Tensor:
+    return (torch.randn(*shape, generator=_gen(seed)) * scale).to(dtype)
+
+
+def _r(t: Tensor) -> Tensor:
+    """Round an fp32 tensor through bf16 (what a torch bf16 elementwise op does to its fp32 result)."""
+    return t.to(BF16).float()
+
+
+def _bf16_ulp(v: Tensor) -> Tensor:
+    _, exp = torch.frexp(v.float().abs().clamp_min(1e-30))
+    return torch.ldexp(torch.ones_like(v.float()), exp - 8)
+
+
+def _assert_close_to_ref(out: Tensor, ref: Tensor) -> None:
+    """bf16: at most one ulp apart, and at least 99% of the elements identical; fp32: allclose."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if out.dtype == BF16:
+        diff = (out.float() - ref.float()).abs()
+        ulp = _bf16_ulp(torch.maximum(out.float().abs(), ref.float().abs()))
+        assert bool((diff <= ulp).all()), f"max diff {diff.max().item()}"
+        assert (out == ref).float().mean().item() >= 0.99
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+# --- references against plain formulas ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_ref_formula(dtype: torch.dtype) -> None:
+    x, w = _randn(5, 96, dtype=dtype, seed=1), _randn(96, dtype=dtype, seed=2)
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
+    if dtype == BF16:
+        expected = _r(_r(normed) * w.float()).to(BF16)
+        _assert_close_to_ref(K.rms_norm_ref(x, w, EPS), expected)
+    else:
+        torch.testing.assert_close(K.rms_norm_ref(x, w, EPS), normed * w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_ref_formula(dtype: torch.dtype) -> None:
+    x, res, w = (
+        _randn(4, 64, dtype=dtype, seed=1),
+        _randn(4, 64, dtype=dtype, seed=2),
+        _randn(64, dtype=dtype),
+    )
+    expected_res = (x.float() + res.float()).to(dtype)
+    out = K.add_rms_norm_ref_(x, res, w, EPS)
+    assert torch.equal(res, expected_res)
+    assert torch.equal(out, K.rms_norm_ref(expected_res, w, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_ref_formula(dtype: torch.dtype) -> None:
+    n, heads, d = 3, 4, 16
+    x = _randn(n, heads, d, dtype=dtype, seed=3)
+    cos_sin = _cos_sin(n, d, dtype)
+    got = x.clone()
+    K.rotary_ref_(got, cos_sin)
+    half = d // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    c, s = cos_sin[:, None, :half].float(), cos_sin[:, None, half:].float()
+    if dtype == BF16:  # every op rounds to bf16: the rounding the C kernel reproduces
+        expected = torch.cat((_r(_r(x1 * c) - _r(x2 * s)), _r(_r(x2 * c) + _r(x1 * s))), dim=-1).to(BF16)
+        assert torch.equal(got, expected)
+    else:
+        expected = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_ref_formula(dtype: torch.dtype) -> None:
+    gu = _randn(3, 2 * 40, dtype=dtype, seed=4, scale=3.0)
+    g, u = gu[:, :40].float(), gu[:, 40:].float()
+    silu = g / (1 + torch.exp(-g))
+    if dtype == BF16:
+        _assert_close_to_ref(K.silu_mul_ref(gu), _r(_r(silu) * u).to(BF16))
+    else:
+        torch.testing.assert_close(K.silu_mul_ref(gu), silu * u)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_attention_ref_matches_sdpa(dtype: torch.dtype) -> None:
+    case = _AttentionCase(dtype, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, seq_lens=[1, 6, 9])
+    out = K.paged_decode_attention_ref(*case.args())
+    case.check_cache()
+    _assert_attention(out, case.expected_sdpa(), dtype)
+
+
+# --- C kernels against the references -------------------------------------------------------------------
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 3, 64, 4096])
+def test_rms_norm(dtype: torch.dtype, n: int) -> None:
+    x, w = _randn(n, 576, dtype=dtype, seed=n, scale=2.0), _randn(576, dtype=dtype, seed=7)
+    _assert_close_to_ref(K.rms_norm(x, w, EPS), K.rms_norm_ref(x, w, EPS))
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [1, 5, 8, 100, 576, 2048, 5000])
+def test_rms_norm_is_bit_identical(dtype: torch.dtype, hidden: int) -> None:
+    # The row sum reproduces the order of torch's CPU sum kernel; a torch that sums differently fails here
+    # (the results would then differ in rare elements by an ulp or two).
+    x, w = _randn(33, hidden, dtype=dtype, seed=hidden, scale=2.0), _randn(hidden, dtype=dtype, seed=1)
+    assert torch.equal(K.rms_norm(x, w, EPS), K.rms_norm_ref(x, w, EPS))
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_strided_rows(dtype: torch.dtype) -> None:
+    wide = _randn(7, 3 * 64, dtype=dtype, seed=5)
+    x = wide[:, 64:128]  # row stride 192
+    w = _randn(64, dtype=dtype, seed=6)
+    out = K.rms_norm(x, w, 1e-5)
+    assert out.is_contiguous()
+    _assert_close_to_ref(out, K.rms_norm_ref(x, w, 1e-5))
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 3, 64, 4096])
+def test_add_rms_norm(dtype: torch.dtype, n: int) -> None:
+    x, w = _randn(n, 576, dtype=dtype, seed=n), _randn(576, dtype=dtype, seed=9)
+    res_c = _randn(n, 576, dtype=dtype, seed=n + 1)
+    res_ref = res_c.clone()
+    out = K.add_rms_norm_(x, res_c, w, EPS)
+    ref = K.add_rms_norm_ref_(x, res_ref, w, EPS)
+    assert torch.equal(res_c, res_ref)  # the residual is exact
+    _assert_close_to_ref(out, ref)
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 3, 64, 4096])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 24)])
+def test_rotary_on_qkv_view(
+    dtype: torch.dtype, n: int, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    width = num_heads + 2 * num_kv_heads
+    qkv = _randn(n, width * head_dim, dtype=dtype, seed=n, scale=3.0)
+    original = qkv.clone()
+    cos_sin = _cos_sin(n, head_dim, dtype)
+    qkv_ref = qkv.clone()
+    K.rotary_(qkv.view(n, width, head_dim)[:, : num_heads + num_kv_heads], cos_sin)
+    K.rotary_ref_(qkv_ref.view(n, width, head_dim)[:, : num_heads + num_kv_heads], cos_sin)
+    assert torch.equal(qkv, qkv_ref)
+    v_start = (num_heads + num_kv_heads) * head_dim
+    assert torch.equal(qkv[:, v_start:], original[:, v_start:])  # V untouched
+    assert not torch.equal(qkv[:, :v_start], original[:, :v_start])
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 3, 64, 4096])
+def test_silu_mul(dtype: torch.dtype, n: int) -> None:
+    inter = 1536 if n < 4096 else 256
+    gu = _randn(n, 2 * inter, dtype=dtype, seed=n, scale=4.0)
+    out = K.silu_mul(gu)
+    assert out.shape == (n, inter) and out.is_contiguous()
+    _assert_close_to_ref(out, K.silu_mul_ref(gu))
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_special_values(dtype: torch.dtype) -> None:
+    special = [math.inf, -math.inf, math.nan, 0.0, -0.0, 100.0, -100.0, 88.9, -88.9, -104.0, -120.0, 1e-3]
+    gate = torch.tensor(special)
+    gu = torch.cat([gate, torch.full_like(gate, 1.5)]).view(1, -1).to(dtype)
+    out, ref = K.silu_mul(gu), K.silu_mul_ref(gu)
+    assert torch.equal(out.isnan(), ref.isnan())
+    keep = ~ref.isnan()
+    assert torch.equal(out[keep], ref[keep])
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (9, 3)])
+def test_paged_decode_attention(
+    dtype: torch.dtype, block_size: int, num_heads: int, num_kv_heads: int
+) -> None:
+    seq_lens = [1, 5, 16, 17, 100]
+    case = _AttentionCase(dtype, num_heads, num_kv_heads, 64, block_size, seq_lens)
+    case_ref = case.copy()
+    out = K.paged_decode_attention(*case.args())
+    ref = K.paged_decode_attention_ref(*case_ref.args())
+    assert out.shape == (len(seq_lens), num_heads, 64) and out.dtype == dtype and out.is_contiguous()
+    case.check_cache()
+    assert torch.equal(case.kv_cache, case_ref.kv_cache)
+    _assert_attention(out, ref, dtype)
+    _assert_attention(out, case.expected_sdpa(), dtype)
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [24, 80, 128])
+def test_paged_decode_attention_other_head_dims(dtype: torch.dtype, head_dim: int) -> None:
+    # 24 and 80 end in a partial 32-element chunk; block size 5 does not divide the 16-position tiles
+    case = _AttentionCase(dtype, 6, 2, head_dim, 5, [3, 8, 33, 70])
+    out = K.paged_decode_attention(*case.args())
+    case.check_cache()
+    _assert_attention(out, case.expected_sdpa(), dtype)
+
+
+@needs_c
+def test_paged_decode_attention_large_batch() -> None:
+    # 64 sequences: the OpenMP path, with every sequence's own block table.
+    seq_lens = [(7 * i) % 90 + 1 for i in range(64)]
+    case = _AttentionCase(BF16, 9, 3, 64, 16, seq_lens)
+    out = K.paged_decode_attention(*case.args())
+    case.check_cache()
+    _assert_attention(out, case.expected_sdpa(), BF16)
+
+
+@needs_c
+def test_paged_decode_attention_skips_negative_slots() -> None:
+    case = _AttentionCase(torch.float32, 4, 2, 64, 4, [5, 9])
+    case.slot_mapping[1] = -1  # a padding row: writes nowhere
+    before = case.kv_cache.clone()
+    case_ref = case.copy()
+    out = K.paged_decode_attention(*case.args())
+    ref = K.paged_decode_attention_ref(*case_ref.args())
+    assert torch.equal(case.kv_cache, case_ref.kv_cache)
+    num_slots = before.shape[1] * before.shape[2]
+    changed = (case.kv_cache != before).reshape(2, num_slots, -1).any(-1).any(0)  # per slot, K or V
+    assert changed.nonzero().flatten().tolist() == [int(case.slot_mapping[0])]
+    _assert_attention(out, ref, torch.float32)
+
+
+@needs_c
+@pytest.mark.parametrize("field", ["block", "seq_len", "slot"])
+def test_paged_decode_attention_rejects_bad_indices(field: str) -> None:
+    case = _AttentionCase(torch.float32, 4, 2, 64, 4, [5, 9])
+    num_blocks = case.kv_cache.shape[1]
+    if field == "block":
+        case.block_tables[1, 0] = num_blocks
+    elif field == "seq_len":
+        case.seq_lens[0] = case.block_tables.shape[1] * 4 + 1
+    else:
+        case.slot_mapping[0] = num_blocks * 4
+    before = case.kv_cache.clone()
+    with pytest.raises(IndexError):
+        K.paged_decode_attention(*case.args())
+    assert torch.equal(case.kv_cache, before)  # checked before anything is written
+
+
+@needs_c
+def test_paged_decode_attention_rejects_mismatched_shapes() -> None:
+    case = _AttentionCase(torch.float32, 4, 2, 64, 4, [5, 9])
+    args = list(case.args())
+    args[1] = case.query[:, :1]  # one KV head where the cache has two
+    with pytest.raises(ValueError, match="shapes do not match"):
+        K.paged_decode_attention(*args)
+
+
+@needs_c
+def test_one_openmp_runtime() -> None:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/maps")
+    x = _randn(4096, 576)
+    K.rms_norm(x, _randn(576), EPS)  # a parallel region in the library
+    _ = x @ x[:64].T  # and one in torch
+    mapped = {
+        line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line
+    }
+    torch_lib = Path(torch.__file__).parent / "lib"
+    # Our library runs on torch's runtime; other packages may vendor their own renamed copies
+    # (sentencepiece.libs/libgomp-<hash>.so), which never run our kernels. The plain system
+    # libgomp.so.1 would mean a second runtime brought in by us.
+    assert any(Path(m).parent == torch_lib for m in mapped), mapped
+    assert not [m for m in mapped if Path(m).name == "libgomp.so.1" and Path(m).parent != torch_lib], mapped
+
+
+# --- fallbacks ---------------------------------------------------------------------------------------------
+
+
+def test_float16_uses_the_references() -> None:
+    x, w = _randn(3, 32, dtype=torch.float16), _randn(32, dtype=torch.float16, seed=1)
+    assert torch.equal(K.rms_norm(x, w, EPS), K.rms_norm_ref(x, w, EPS))
+    gu = _randn(3, 64, dtype=torch.float16)
+    assert torch.equal(K.silu_mul(gu), K.silu_mul_ref(gu))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_without_the_library_everything_falls_back(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    monkeypatch.setattr(K, "_kernels", {})
+    monkeypatch.setattr(K, "_resolved", True)
+    assert not K.available()
+    x, w = _randn(3, 64, dtype=dtype), _randn(64, dtype=dtype, seed=1)
+    assert torch.equal(K.rms_norm(x, w, EPS), K.rms_norm_ref(x, w, EPS))
+    res_a, res_b = _randn(3, 64, dtype=dtype, seed=2), _randn(3, 64, dtype=dtype, seed=2)
+    assert torch.equal(K.add_rms_norm_(x, res_a, w, EPS), K.add_rms_norm_ref_(x, res_b, w, EPS))
+    assert torch.equal(res_a, res_b)
+    qkv_a = _randn(3, 8 * 16, dtype=dtype, seed=3)
+    qkv_b = qkv_a.clone()
+    cos_sin = _cos_sin(3, 16, dtype)
+    K.rotary_(qkv_a.view(3, 8, 16)[:, :6], cos_sin)
+    K.rotary_ref_(qkv_b.view(3, 8, 16)[:, :6], cos_sin)
+    assert torch.equal(qkv_a, qkv_b)
+    gu = _randn(3, 64, dtype=dtype, seed=4)
+    assert torch.equal(K.silu_mul(gu), K.silu_mul_ref(gu))
+    case = _AttentionCase(dtype, 4, 2, 16, 4, [3, 7])
+    case_ref = case.copy()
+    out = K.paged_decode_attention(*case.args())
+    assert torch.equal(out, K.paged_decode_attention_ref(*case_ref.args()))
+    assert torch.equal(case.kv_cache, case_ref.kv_cache)
+
+
+# --- build and cache ------------------------------------------------------------------------------------
+
+
+@needs_c
+def test_build_reuses_the_cached_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IZH_CACHE_DIR", str(tmp_path))
+    assert K.default_cache_dir() == tmp_path / "kernels"
+    first = K.build()
+    assert first.path is not None and first.compiled and first.error is None
+    assert first.path.parent == tmp_path / "kernels"
+    stamp = first.path.stat().st_mtime_ns
+    second = K.build(tmp_path / "kernels")
+    assert second.path == first.path and not second.compiled
+    assert first.path.stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == [first.path.name]  # no temp files
+
+
+def test_disabled_by_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IZH_CPU_KERNELS", "0")
+    assert K._load_library(tmp_path) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_compiler() -> None:
+    result = K.build(compiler="izh-no-such-compiler")
+    assert result.path is None and result.error is not None and "compiler" in result.error
+
+
+@needs_c
+def test_failed_build_warns_and_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = tmp_path / "broken.c"
+    broken.write_text("int izh_broken(void) { return syntax error; }\n")
+    monkeypatch.setattr(K, "SOURCE", broken)
+    with caplog.at_level(logging.WARNING, logger=K.__name__):
+        assert K._load_library(tmp_path / "cache") is None
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "syntax" in warnings[0].getMessage()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == []  # the temp file is gone
+
+
+# --- helpers ----------------------------------------------------------------------------------------------
+
+
+def _cos_sin(n: int, head_dim: int, dtype: torch.dtype) -> Tensor:
+    half = head_dim // 2
+    positions = torch.arange(n, dtype=torch.float32)[:, None] + 3
+    freqs = 10000.0 ** (-torch.arange(half, dtype=torch.float32) / half)
+    angles = positions * freqs
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)
+
+
+def _assert_attention(out: Tensor, expected: Tensor, dtype: torch.dtype) -> None:
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=atol)
+
+
+class _AttentionCase:
+    """A decode batch over a paged cache: each sequence's context is known in full (`contexts`), its
+    first seq_len - 1 positions are already in the cache at shuffled blocks, the last one comes in
+    through key/value, which with query are strided views of one qkv buffer."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        seq_lens: list[int],
+        seed: int = 0,
+    ) -> None:
+        gen = _gen(seed)
+        n = len(seq_lens)
+        self.dtype, self.num_heads, self.num_kv_heads, self.head_dim = (
+            dtype,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        )
+        self.scale = head_dim**-0.5
+        blocks_per_seq = [math.ceil(length / block_size) for length in seq_lens]
+        max_blocks = max(blocks_per_seq) + 1
+        num_blocks = sum(blocks_per_seq) + 3
+        order = torch.randperm(num_blocks, generator=gen).tolist()
+        # unused table entries hold garbage: they must never be read
+        self.block_tables = torch.full((n, max_blocks), 10**6, dtype=torch.int32)
+        self.kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(
+            dtype
+        )
+        width = num_heads + 2 * num_kv_heads
+        self.qkv = torch.randn(n, width * head_dim, generator=gen).to(dtype)
+        view = self.qkv.view(n, width, head_dim)
+        self.query = view[:, :num_heads]
+        self.key = view[:, num_heads : num_heads + num_kv_heads]
+        self.value = view[:, num_heads + num_kv_heads :]
+        self.contexts: list[tuple[Tensor, Tensor]] = []
+        slots = []
+        for i, length in enumerate(seq_lens):
+            own = [order.pop() for _ in range(blocks_per_seq[i])]
+            self.block_tables[i, : len(own)] = torch.tensor(own, dtype=torch.int32)
+            k_ctx = torch.randn(length, num_kv_heads, head_dim, generator=gen).to(dtype)
+            v_ctx = torch.randn(length, num_kv_heads, head_dim, generator=gen).to(dtype)
+            k_ctx[-1], v_ctx[-1] = self.key[i], self.value[i]
+            for p in range(length - 1):
+                self.kv_cache[0, own[p // block_size], p % block_size] = k_ctx[p]
+                self.kv_cache[1, own[p // block_size], p % block_size] = v_ctx[p]
+            self.contexts.append((k_ctx, v_ctx))
+            last = length - 1
+            slots.append(own[last // block_size] * block_size + last % block_size)
+        self.slot_mapping = torch.tensor(slots, dtype=torch.int64)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+
+    def copy(self) -> _AttentionCase:
+        other = object.__new__(_AttentionCase)
+        other.__dict__.update(self.__dict__)
+        other.kv_cache = self.kv_cache.clone()
+        other.slot_mapping = self.slot_mapping.clone()
+        return other
+
+    def args(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float]:
+        return (
+            self.query,
+            self.key,
+            self.value,
+            self.kv_cache,
+            self.slot_mapping,
+            self.block_tables,
+            self.seq_lens,
+            self.scale,
+        )
+
+    def check_cache(self) -> None:
+        slots_k = self.kv_cache[0].reshape(-1, self.num_kv_heads, self.head_dim)
+        slots_v = self.kv_cache[1].reshape(-1, self.num_kv_heads, self.head_dim)
+        for i, slot in enumerate(self.slot_mapping.tolist()):
+            assert torch.equal(slots_k[slot], self.key[i])
+            assert torch.equal(slots_v[slot], self.value[i])
+
+    def expected_sdpa(self) -> Tensor:
+        group = self.num_heads // self.num_kv_heads
+        outs = []
+        for i, (k_ctx, v_ctx) in enumerate(self.contexts):
+            q = self.query[i].float()[:, None, :]  # [H, 1, d]
+            k = k_ctx.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, d]
+            v = v_ctx.float().repeat_interleave(group, dim=1).transpose(0, 1)
+            outs.append(F.scaled_dot_product_attention(q, k, v, scale=self.scale)[:, 0])
+        return torch.stack(outs)
