@@ -18,6 +18,7 @@ from izh.engine.guided import GrammarManager, apply_bitmask
 from izh.engine.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 from izh.engine.scheduler import ScheduledRequest, SchedulerOutput
 from izh.errors import ModelLoadError
+from izh.kernels import cpu as cpu_ops
 from izh.model.attention import AttentionMetadata, get_attention_backend
 from izh.model.config import ModelConfig
 from izh.model.llama import LlamaForCausalLM
@@ -114,6 +115,9 @@ class ModelRunner:
         self.model.eval()
         pack_model_weights(self.model, self.quantization, source_types, requested=config.quantization)
         logger.info("model loaded in %.2f s (%s, %s)", time.perf_counter() - start, self.device, self.dtype)
+        if self.device.type == "cpu":
+            # Build (or load the cached) fused CPU kernels now, not inside the first request.
+            logger.info("fused CPU kernels: %s", "on" if cpu_ops.available() else "off (torch fallbacks)")
         self.max_model_len = self._resolve_max_model_len(config, self.model_config)
         self.block_size = config.block_size
         self.vocab_size = self.model_config.vocab_size
