@@ -86,6 +86,8 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "izh_cli.main", "serve", model, "--port", str(port)]
     cmd += ["--max-num-seqs", str(max(levels)), "--kv-cache-memory-bytes", "256MiB", "--log-level", "warning"]
+    # One engine thread, as recorded: the tiny model makes the API the bottleneck, and it needs a core.
+    cmd += ["--num-threads", "1"]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     results = []
     try:

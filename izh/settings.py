@@ -220,8 +220,8 @@ class EngineSettings(_Section):
     num_threads: int | None = Field(
         default=None,
         gt=0,
-        description="torch intra-op threads on CPU; unset = all cores offline, and all but one under "
-        "`izh serve` (the API process needs a core: spinning torch threads starve it).",
+        description="torch intra-op threads on CPU; unset = all cores offline, and under `izh serve` all "
+        "but one when there are more than 2 (the API process streams on the spare core).",
     )
     enforce_eager: bool = Field(default=False, description="Disable CUDA graphs (always eager execution).")
     attention_backend: Annotated[Literal["auto", "torch_paged", "triton_paged"], CaseInsensitive] = Field(

@@ -66,14 +66,17 @@ def serve(
 
 
 def _leave_a_core_for_the_api(config: EngineConfig) -> EngineConfig:
-    """Unless set, the core's torch threads are all cores but one: the API process streams on the
-    other, and torch threads spinning on every core starve it (measured: 2x streamed tokens/s on 2 cores)."""
+    """Unless set, the core's torch threads are all cores but one on machines with more than 2 cores:
+    the API process streams on the spare one. On 2 cores the engine needs both: SmolLM2 served 71 vs
+    50 tok/s for one stream and 493 vs 332 at 32 (`izh bench`, 128 + 128 tokens); the API's own cost
+    (~50 us per streamed token) only dominates for a tiny model, where `--num-threads 1` doubles it."""
     if config.num_threads is not None:
         return config
     import dataclasses
     import os
 
-    return dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 1) - 1))
+    cpus = os.cpu_count() or 1
+    return dataclasses.replace(config, num_threads=cpus - 1 if cpus > 2 else cpus)
 
 
 async def _serve(settings: IzhSettings, engine_config: EngineConfig) -> int:
