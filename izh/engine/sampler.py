@@ -330,22 +330,30 @@ class Sampler:
         probs = logits.softmax(dim=-1)  # [num_rows, vocab_size]
         if metadata.min_p is not None:
             probs = apply_min_p(probs, metadata.min_p)
-        sampled = self._exponential_race(probs, metadata.generators)
+        sampled = self._inverse_cdf(probs, metadata.generators)
         if greedy is None:
             return sampled
         assert metadata.greedy_mask is not None
         return torch.where(metadata.greedy_mask, greedy, sampled)
 
-    def _exponential_race(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-        """argmax(probs / q) with q ~ Exp(1) draws token i with probability probs[i] (no CPU sync)."""
-        noise = torch.empty_like(probs)
-        if len(generators) < probs.shape[0]:
-            noise.exponential_(generator=self.generator)
+    def _inverse_cdf(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        """One uniform u per row; the token is the first whose cumulative probability exceeds u times the
+        row's total (rows need not sum to 1: min_p zeroes some). A zero-probability token adds nothing to
+        the cumulative sum, so it is never picked.
+
+        One random number per row, not one per vocabulary entry (the exponential race vLLM uses on GPU
+        draws 49k per row: ~30 ms a step at batch 32 on a CPU, against ~1 ms for this).
+        """
+        num_rows = probs.shape[0]
+        uniform = torch.empty(num_rows, dtype=torch.float64, device=probs.device)
+        if len(generators) < num_rows:
+            uniform.uniform_(generator=self.generator)
         for row, generator in generators.items():
-            noise[row].exponential_(generator=generator)
-        # Exp(1) can return exactly 0; 0/0 would be NaN and argmax would pick a zero-probability token.
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        return probs.div_(noise).argmax(dim=-1)
+            uniform[row] = torch.rand((), dtype=torch.float64, device=probs.device, generator=generator)
+        cdf = probs.to(torch.float64).cumsum_(dim=-1)
+        targets = (uniform * cdf[:, -1]).unsqueeze(1)
+        sampled = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+        return sampled.clamp_(max=probs.shape[1] - 1)
 
     @staticmethod
     def compute_prompt_logprobs(
@@ -406,11 +414,51 @@ def apply_top_k_top_p(
         if top_k is None:
             return logits
         return _apply_top_k_only(logits, top_k, max_top_k)
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
     if top_k is not None:
-        # Off rows hold vocab_size, so their threshold is the row minimum and nothing is masked.
-        kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
-        sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
+        logits = _apply_top_k_only(logits, top_k, max_top_k)
+    return _apply_top_p(logits, top_p)
+
+
+_TOP_P_CANDIDATES = 256
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p over the few highest logits when the nucleus lies among them, else over a full sort.
+
+    Sorting the whole vocabulary of every row costs ~60 ms a step at batch 32 on a CPU, and the nucleus
+    is almost always a few dozen tokens. `topk` candidates, re-sorted by (logit descending, token id) as
+    the full stable sort orders them, give exactly the full sort's nucleus when the last token kept has
+    a higher logit than the smallest candidate: every token before it in the full order is then a
+    candidate. Rows are retried with 4x more candidates, and the full sort is the last resort.
+    """
+    vocab = logits.shape[1]
+    active = top_p < 1.0  # rows with top_p 1 (top-p off in a mixed batch) keep every token
+    if not bool(active.any()):
+        return logits
+    # softmax's own denominator over the (top-k masked) row: max-shifted sum of exponentials.
+    row_max = logits.amax(dim=-1, keepdim=True)
+    denominator = (logits - row_max).exp_().sum(dim=-1, keepdim=True)
+    k = _TOP_P_CANDIDATES
+    while k < vocab:
+        values, ids = logits.topk(k, dim=-1)
+        ids, by_id = ids.sort(dim=-1)
+        values = values.gather(1, by_id)
+        values, order = values.sort(dim=-1, descending=True, stable=True)
+        ids = ids.gather(1, order)
+        probs = (values - row_max).exp_().div_(denominator)
+        keep = (probs.cumsum(dim=-1) - probs) < top_p.unsqueeze(1)
+        last_kept = keep.sum(dim=-1, keepdim=True) - 1
+        boundary = values.gather(1, last_kept)
+        exact = ~keep[:, -1] & (boundary.squeeze(1) > values[:, -1])
+        if bool((exact | ~active).all()):
+            out = torch.full_like(logits, _NEG_INF).scatter_(1, ids, values.masked_fill_(~keep, _NEG_INF))
+            return torch.where(active.unsqueeze(1), out, logits)
+        k *= 4
+    return torch.where(active.unsqueeze(1), _apply_top_p_sorted(logits, top_p), logits)
+
+
+def _apply_top_p_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
     probs = sorted_logits.softmax(dim=-1)
     # Probability mass strictly before each token: 0 for the top token, so it always survives.
     mass_before = probs.cumsum(dim=-1) - probs

@@ -196,6 +196,47 @@ def test_top_k_top_p_match_reference() -> None:
     assert kept[1] == 5 and kept[5] == 1 and kept[0] == vocab_size - 1
 
 
+def test_top_p_on_a_large_vocabulary_equals_the_full_sort() -> None:
+    """The candidate path (topk, escalating, full sort last) against the plain per-row reference:
+    peaked rows (nucleus among the first candidates), flat rows (escalates to the full sort), rows
+    rounded to bfloat16 (many exact ties at the boundary), top-k with top-p, and top-p off."""
+    vocab_size = 5000
+    g = torch.Generator().manual_seed(7)
+    scales = [8.0, 4.0, 0.05, 3.0, 3.0, 6.0, 2.0]
+    settings = [(0, 0.9), (0, 0.99), (0, 0.9), (0, 0.8), (50, 0.9), (0, 1.0), (1000, 0.5)]
+    logits = torch.stack([torch.randn(vocab_size, generator=g) * scale for scale in scales])
+    logits[3] = logits[3].bfloat16().float()  # ties everywhere
+    logits[3, :40] = logits[3].max()  # a 40-way tie at the top
+    rows = [make_row(SamplingParams(top_k=k, top_p=p)) for k, p in settings]
+    metadata = SamplingMetadata.build(rows, vocab_size, "cpu")
+    actual = apply_top_k_top_p(logits.clone(), metadata.top_k, metadata.max_top_k, metadata.top_p)
+    expected = []
+    for i, (top_k, top_p) in enumerate(settings):
+        row = ref_top_k(logits[i].tolist(), top_k)
+        expected.append(ref_top_p(row, top_p) if top_p < 1.0 else row)
+    assert_same_logits(actual, expected)
+    kept = torch.isfinite(actual).sum(dim=-1).tolist()
+    assert kept[0] < 256 < kept[2] and kept[5] == vocab_size and kept[4] <= 50
+    # The 40-way tie at the top: the stable order keeps a prefix of it, lowest ids first.
+    tied_kept = torch.isfinite(actual[3, :40]).tolist()
+    assert tied_kept == sorted(tied_kept, reverse=True), tied_kept
+
+
+def test_inverse_cdf_sampling_follows_the_distribution() -> None:
+    vocab_size = 6
+    probs = [0.5, 0.0, 0.25, 0.125, 0.125, 0.0]
+    logits = torch.tensor([[math.log(p) if p > 0 else NEG_INF for p in probs]] * 4000)
+    rows = [make_row(SamplingParams(temperature=1.0))] * 4000
+    metadata = SamplingMetadata.build(rows, vocab_size, "cpu")
+    sampler = Sampler(make_generator(1234, "cpu"))
+    counts = Counter(sampler(logits.clone(), metadata).sampled_token_ids)
+    assert counts[1] == counts[5] == 0  # zero-probability tokens are never drawn
+    for token, p in enumerate(probs):
+        if p > 0:
+            # 4000 draws: the standard deviation of a frequency is at most 0.8%; allow 4 of them.
+            assert abs(counts[token] / 4000 - p) < 0.032, (token, counts[token])
+
+
 def test_top_k_only_keeps_boundary_ties() -> None:
     vocab_size = 10
     logits = torch.tensor([[0.0, 3.0, 2.0, 2.0, 1.0, 2.0, -1.0, 0.5, 0.1, 2.5]] * 3)
