@@ -222,6 +222,25 @@ def test_top_p_on_a_large_vocabulary_equals_the_full_sort() -> None:
     assert tied_kept == sorted(tied_kept, reverse=True), tied_kept
 
 
+@pytest.mark.parametrize("bfloat16_ties", [False, True])
+def test_top_p_candidates_equal_the_full_sort_on_random_rows(bfloat16_ties: bool) -> None:
+    from izh.engine.sampler import _apply_top_p, _apply_top_p_sorted
+
+    g = torch.Generator().manual_seed(11)
+    num_rows, vocab_size = 48, 3000
+    scales = torch.logspace(-2, 1.2, num_rows).unsqueeze(1)  # from nearly flat to very peaked rows
+    logits = torch.randn(num_rows, vocab_size, generator=g) * scales
+    if bfloat16_ties:
+        logits = logits.bfloat16().float()
+    top_p = torch.rand(num_rows, generator=g) * 0.98 + 0.01
+    top_p[::7] = 1.0  # top-p off in a mixed batch: those rows are left alone
+    actual = _apply_top_p(logits.clone(), top_p)
+    expected = torch.where((top_p < 1).unsqueeze(1), _apply_top_p_sorted(logits.clone(), top_p), logits)
+    assert torch.equal(torch.isinf(actual), torch.isinf(expected))
+    assert torch.equal(actual[torch.isfinite(actual)], logits[torch.isfinite(actual)])
+    assert torch.equal(actual[::7], logits[::7])
+
+
 def test_inverse_cdf_sampling_follows_the_distribution() -> None:
     vocab_size = 6
     probs = [0.5, 0.0, 0.25, 0.125, 0.125, 0.0]
