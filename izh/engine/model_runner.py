@@ -130,6 +130,7 @@ class ModelRunner:
         # Unseeded sampling draws from the engine's own generator, seeded by the engine seed setting.
         self.sampler = Sampler(make_generator(config.seed, self.device))
         self._generators: dict[str, torch.Generator] = {}
+        self._logits: torch.Tensor | None = None
 
     # --- set-up ---------------------------------------------------------------------------------
 
@@ -232,7 +233,9 @@ class ModelRunner:
         for _, token_rows, _ in prompt_rows:
             logits_rows.extend(token_rows)
         index = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))  # [len(logits_rows), vocab]
+        logits = self.model.compute_logits(  # [len(logits_rows), vocab]
+            hidden.index_select(0, index), out=self._logits_buffer(len(logits_rows))
+        )
         forward_s = time.perf_counter() - start
         out = RunnerOutput(forward_s=forward_s)
         num_sampled = len(sample_rows)
@@ -240,6 +243,17 @@ class ModelRunner:
             self._sample(scheduled, sample_rows, logits[:num_sampled], out, grammar)
         self._prompt_logprobs(scheduled, prompt_rows, logits[num_sampled:], out)
         return out
+
+    def _logits_buffer(self, num_rows: int) -> torch.Tensor | None:
+        """A float32 [max_num_seqs, vocab] buffer reused by every step (None for more rows, as prompt
+        logprobs can ask): the sampler works on it in place, and nothing keeps it past the step."""
+        if num_rows > self.config.max_num_seqs:
+            return None
+        if self._logits is None:
+            self._logits = torch.empty(
+                (self.config.max_num_seqs, self.vocab_size), dtype=torch.float32, device=self.device
+            )
+        return self._logits
 
     def _prepare_inputs(
         self, scheduled: list[ScheduledRequest]

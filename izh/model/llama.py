@@ -177,12 +177,21 @@ class LlamaForCausalLM(nn.Module):
         backend = self.paged_backend if self._kv_caches_bound else self.reference_backend
         return self.model(input_ids, cos_sin, attn_metadata, backend)
 
-    def compute_logits(self, hidden_states: Tensor) -> Tensor:
-        """float32 logits [n, vocab_size] for hidden states [n, hidden_size]."""
-        if self.packed_lm_head is not None and hidden_states.shape[0] <= SMALL_BATCH_MAX_ROWS:
-            return self.packed_lm_head.matmul(hidden_states).float()
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden_states, weight).float()
+    def compute_logits(self, hidden_states: Tensor, out: Tensor | None = None) -> Tensor:
+        """float32 logits [n, vocab_size] for hidden states [n, hidden_size].
+
+        `out` ([>= n, vocab_size] float32) receives them when given: a buffer reused across steps spares
+        the page faults of a fresh multi-MB tensor every step (5 ms vs 1 ms at 128 x 49k on a CPU).
+        """
+        n = hidden_states.shape[0]
+        if self.packed_lm_head is not None and n <= SMALL_BATCH_MAX_ROWS:
+            logits = self.packed_lm_head.matmul(hidden_states)
+        else:
+            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = torch.nn.functional.linear(hidden_states, weight)
+        if out is None:
+            return logits.float()
+        return out[:n].copy_(logits)
 
     def attention_layers(self) -> list[DecoderAttention]:
         """The attention module of every layer, in order."""
