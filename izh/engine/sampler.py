@@ -432,9 +432,10 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     of each row's logits (buckets of 0.05 below its maximum, weighted by probability) finds a set of top
     tokens that holds at least top_p of the mass, with a small margin for rounding: the nucleus is then
     among those tokens, and every other token sits after them in the sorted order with at least top_p
-    of mass before it, so it is masked anyway. The largest count over the rows is taken with `topk`, re-sorted by (logit descending,
-    token id) as the stable full sort orders them, and cut where the cumulative mass reaches top_p. A row
-    that keeps every candidate (the margin did not hold) goes through the full sort.
+    of mass before it, so it is masked anyway. The largest count over the rows is taken with `topk`,
+    re-sorted by (logit descending, token id) as the stable full sort orders them, and cut where the
+    cumulative mass reaches top_p. A row that keeps every candidate (the margin did not hold) goes
+    through the full sort.
     """
     vocab = logits.shape[1]
     active = top_p < 1.0  # rows with top_p 1 (top-p off in a mixed batch) keep every token
