@@ -156,26 +156,14 @@ def paged_decode_attention_ref(
     block_size]`, offset `p % block_size`; query head h reads KV head `h // (H // KVH)`. Returns a new
     contiguous [n, H, d] in query's dtype.
     """
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    n, num_heads, _ = query.shape
-    group = num_heads // num_kv_heads
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    width = num_kv_heads * head_dim
-    kv_cache[0].view(-1, width).index_copy_(0, slots, key[keep].reshape(-1, width).to(kv_cache.dtype))
-    kv_cache[1].view(-1, width).index_copy_(0, slots, value[keep].reshape(-1, width).to(kv_cache.dtype))
-    out = torch.empty(n, num_heads, head_dim, dtype=query.dtype, device=query.device)
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        positions = torch.arange(seq_len, device=query.device)
-        blocks = block_tables[i, positions // block_size].long()
-        k = kv_cache[0, blocks, positions % block_size].float()  # [seq_len, KVH, d]
-        v = kv_cache[1, blocks, positions % block_size].float()
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, seq_len, d]
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        q = query[i].float().unsqueeze(1)  # [H, 1, d]
-        scores = (q @ k.transpose(1, 2)) * scale  # [H, 1, seq_len]
-        out[i] = (scores.softmax(dim=-1) @ v).squeeze(1).to(query.dtype)
-    return out
+    # The general paged-attention semantics (izh.kernels.paged_attention), with one query per sequence.
+    from izh.kernels.paged_attention import paged_attention_reference, write_kv_cache_reference
+
+    write_kv_cache_reference(key, value, kv_cache, slot_mapping)
+    query_start_loc = torch.arange(query.shape[0] + 1, device=query.device)
+    return paged_attention_reference(
+        query.contiguous(), kv_cache, query_start_loc, seq_lens, block_tables, scale
+    )
 
 
 # --- build and load ---------------------------------------------------------------------------------
