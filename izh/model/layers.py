@@ -29,10 +29,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # transformers normalizes in float32 and rounds before the weight; cpu_ops matches it (one fused
-        # C kernel on CPU, torch ops elsewhere).
-        if x.dim() == 2:
-            return cpu_ops.rms_norm(x, self.weight, self.eps)
-        return cpu_ops.rms_norm_ref(x, self.weight, self.eps)
+        # C kernel for 2-D input on CPU, torch ops otherwise).
+        return cpu_ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: Tensor, residual: Tensor) -> Tensor:
         """residual += x in place, then the norm of the new residual (one kernel instead of two)."""
@@ -185,20 +183,11 @@ class RotaryEmbedding(nn.Module):
         return cache.to(device=torch.get_default_device(), dtype=dtype)
 
     def forward(self, positions: Tensor) -> Tensor:
-        """cos|sin rows [num_tokens, head_dim] for absolute positions; pass them to `apply_rotary`."""
+        """cos|sin rows [num_tokens, head_dim] for absolute positions; pass them to `apply_rotary_`."""
         return self.cos_sin_cache.index_select(0, positions)
 
 
 def apply_rotary_(x: Tensor, cos_sin: Tensor) -> None:
-    """`apply_rotary` in place (x may be a strided view, e.g. the q and k heads of a packed qkv)."""
+    """Rotate x [num_tokens, num_heads, head_dim] in place by the per-token cos|sin rows [num_tokens,
+    head_dim], rotate-half layout (x may be a strided view, e.g. the q and k heads of a packed qkv)."""
     cpu_ops.rotary_(x, cos_sin)
-
-
-def apply_rotary(x: Tensor, cos_sin: Tensor) -> Tensor:
-    """Rotate x [num_tokens, num_heads, head_dim] by the per-token cos|sin rows [num_tokens, head_dim]."""
-    half = x.shape[-1] // 2
-    cos = cos_sin[:, None, :half]
-    sin = cos_sin[:, None, half:]
-    x1 = x[..., :half]
-    x2 = x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
