@@ -90,6 +90,16 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(halves).reshape(weight.shape)
 
 
+def quantized_tensor_types(file: GGUFFile) -> dict[str, str]:
+    """transformers' name -> GGUF type name (e.g. "Q4_1") of every tensor stored quantized."""
+    types = {}
+    for t in file.tensors:
+        name = hf_name(t.name)
+        if name is not None and t.ggml_type.name not in _FLOAT_TYPES:
+            types[name] = t.ggml_type.name
+    return types
+
+
 def gguf_checkpoint_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[CheckpointTensor]:
     """The file's weight tensors under transformers' names, each dequantized (and, for Llama q/k,
     un-permuted) only when read. An unknown GGUF tensor keeps its GGUF name (the loader rejects it)."""
@@ -109,7 +119,6 @@ def gguf_checkpoint_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[Che
             shape=t.shape,
             source=f"GGUF tensor {t.name}",
             read=_reader(file, t, heads),
-            quant_type=None if t.ggml_type.name in _FLOAT_TYPES else t.ggml_type.name,
         )
 
 

@@ -56,12 +56,7 @@ def checkpoint_quant_types(path: str) -> dict[str, str]:
     if not is_gguf(path):
         return {}
     with GGUFFile(path) as file:
-        config = gguf_loader.gguf_model_config(file)
-        return {
-            t.name: t.quant_type
-            for t in gguf_loader.gguf_checkpoint_tensors(file, config)
-            if t.quant_type is not None
-        }
+        return gguf_loader.quantized_tensor_types(file)
 
 
 def load_model(

@@ -117,7 +117,8 @@ def resolve_quantization(
 
     auto packs only what the checkpoint already stores quantized (a GGUF with Q4/Q8 tensors), and only
     where the kernels exist and pay off (CPU, bfloat16 activations). An explicit int4 / int8 packs every
-    linear (lossy for a float checkpoint) and needs the same conditions.
+    linear (lossy for a float checkpoint) and needs the same conditions. `source_types` holds the
+    checkpoint's quantized tensors only (`izh.model.loader.checkpoint_quant_types`).
     """
     if mode not in QUANTIZATION_MODES:
         raise ModelLoadError(f"unknown quantization {mode!r}; supported: {', '.join(QUANTIZATION_MODES)}")
@@ -125,8 +126,7 @@ def resolve_quantization(
         return "none"
     usable = device.type == "cpu" and dtype == torch.bfloat16
     if mode == "auto":
-        quantized = any(t not in ("F32", "F16", "BF16") for t in source_types.values())
-        return "int4" if usable and quantized else "none"
+        return "int4" if usable and source_types else "none"
     if not usable:
         raise ModelLoadError(
             f"quantization {mode} runs on CPU with bfloat16 activations (this engine: {device.type}, "

@@ -29,8 +29,6 @@ class CheckpointTensor:
     source: str
     """Where it lives, for error messages (file and name in the file)."""
     read: Callable[[], Tensor]
-    quant_type: str | None = None
-    """The stored format when it is not a plain float (a GGUF type name such as "Q4_1"); None otherwise."""
 
 
 @dataclass(frozen=True, slots=True)
