@@ -60,12 +60,12 @@ def serve(
             path = resolve_model(
                 settings.model.name, settings.model.cache_dir, download=True, progress=progress
             )
-        engine_config = _leave_a_core_for_the_api(settings.to_engine_config(str(path)))
+        engine_config = _default_engine_threads(settings.to_engine_config(str(path)))
         code = asyncio.run(_serve(settings, engine_config))
     raise typer.Exit(code)
 
 
-def _leave_a_core_for_the_api(config: EngineConfig) -> EngineConfig:
+def _default_engine_threads(config: EngineConfig) -> EngineConfig:
     """Unless set, the core's torch threads are all cores but one on machines with more than 2 cores:
     the API process streams on the spare one. On 2 cores the engine needs both: SmolLM2 served 71 vs
     50 tok/s for one stream and 493 vs 332 at 32 (`izh bench`, 128 + 128 tokens); the API's own cost
