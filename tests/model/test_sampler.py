@@ -99,6 +99,15 @@ def ref_top_p(logits: list[float], top_p: float) -> list[float]:
     return [x if t in kept else NEG_INF for t, x in enumerate(logits)]
 
 
+def ref_top_k_top_p(logits: torch.Tensor, settings: Sequence[tuple[int, float]]) -> list[list[float]]:
+    """Row i: top-k, then top-p (1.0 = off), by `settings[i]` = (top_k, top_p)."""
+    expected = []
+    for i, (top_k, top_p) in enumerate(settings):
+        row = ref_top_k(logits[i].tolist(), top_k)
+        expected.append(ref_top_p(row, top_p) if top_p < 1.0 else row)
+    return expected
+
+
 def ref_min_p(probs: list[float], min_p: float) -> list[float]:
     threshold = max(probs) * min_p
     return [p if p >= threshold else 0.0 for p in probs]
@@ -187,19 +196,15 @@ def test_top_k_top_p_match_reference() -> None:
     logits[0, 3] = NEG_INF  # a masked token stays masked
     metadata = SamplingMetadata.build(rows, vocab_size, "cpu")
     actual = apply_top_k_top_p(logits.clone(), metadata.top_k, metadata.max_top_k, metadata.top_p)
-    expected = []
-    for i, (top_k, top_p) in enumerate(settings):
-        row = ref_top_k(logits[i].tolist(), top_k)
-        expected.append(ref_top_p(row, top_p) if top_p < 1.0 else row)
-    assert_same_logits(actual, expected)
+    assert_same_logits(actual, ref_top_k_top_p(logits, settings))
     kept = torch.isfinite(actual).sum(dim=-1).tolist()
     assert kept[1] == 5 and kept[5] == 1 and kept[0] == vocab_size - 1
 
 
 def test_top_p_on_a_large_vocabulary_equals_the_full_sort() -> None:
-    """The candidate path (topk, escalating, full sort last) against the plain per-row reference:
-    peaked rows (nucleus among the first candidates), flat rows (escalates to the full sort), rows
-    rounded to bfloat16 (many exact ties at the boundary), top-k with top-p, and top-p off."""
+    """The histogram-candidate path against the plain per-row reference: peaked rows (a nucleus of a
+    few tokens), flat rows (thousands), rows rounded to bfloat16 (many exact ties at the boundary),
+    top-k with top-p, and top-p off."""
     vocab_size = 5000
     g = torch.Generator().manual_seed(7)
     scales = [8.0, 4.0, 0.05, 3.0, 3.0, 6.0, 2.0]
@@ -210,11 +215,7 @@ def test_top_p_on_a_large_vocabulary_equals_the_full_sort() -> None:
     rows = [make_row(SamplingParams(top_k=k, top_p=p)) for k, p in settings]
     metadata = SamplingMetadata.build(rows, vocab_size, "cpu")
     actual = apply_top_k_top_p(logits.clone(), metadata.top_k, metadata.max_top_k, metadata.top_p)
-    expected = []
-    for i, (top_k, top_p) in enumerate(settings):
-        row = ref_top_k(logits[i].tolist(), top_k)
-        expected.append(ref_top_p(row, top_p) if top_p < 1.0 else row)
-    assert_same_logits(actual, expected)
+    assert_same_logits(actual, ref_top_k_top_p(logits, settings))
     kept = torch.isfinite(actual).sum(dim=-1).tolist()
     assert kept[0] < 256 < kept[2] and kept[5] == vocab_size and kept[4] <= 50
     # The 40-way tie at the top: the stable order keeps a prefix of it, lowest ids first.
