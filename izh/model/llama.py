@@ -18,6 +18,7 @@ from izh.model.attention import (
     ReferenceAttentionBackend,
 )
 from izh.model.config import ModelConfig
+from izh.model.fused_stack import FusedDecodeStack
 from izh.model.layers import (
     GatedMLP,
     Linear,
@@ -163,6 +164,8 @@ class LlamaForCausalLM(nn.Module):
         """Weight-only copy of the LM head for small batches (izh.model.quant.pack_model_weights)."""
         self.reference_backend: AttentionBackend = ReferenceAttentionBackend()
         self.paged_backend: AttentionBackend = PagedTorchAttentionBackend()
+        self.fused_stack: FusedDecodeStack | None = None
+        """Small decode steps in one C call (`prepare_fused_decode`); None runs the modules."""
         self._kv_caches_bound = False
 
     @staticmethod
@@ -175,7 +178,17 @@ class LlamaForCausalLM(nn.Module):
         [num_tokens] int64 at absolute positions [num_tokens] int64."""
         cos_sin = self.rotary_emb(positions)  # [num_tokens, head_dim], shared by every layer
         backend = self.paged_backend if self._kv_caches_bound else self.reference_backend
+        stack = self.fused_stack
+        if stack is not None and stack.applies(input_ids, attn_metadata, backend):
+            return stack.run(self.model.embed_tokens(input_ids), cos_sin, attn_metadata)
         return self.model(input_ids, cos_sin, attn_metadata, backend)
+
+    def prepare_fused_decode(self) -> bool:
+        """Run small decode steps through `FusedDecodeStack` from now on, when this model can (packed
+        with izh's records, KV caches bound, bfloat16 on a CPU with the C kernels); returns whether it
+        will. Call after packing the weights and binding the caches; binding again turns it off."""
+        self.fused_stack = FusedDecodeStack.build(self)
+        return self.fused_stack is not None
 
     def compute_logits(self, hidden_states: Tensor, out: Tensor | None = None) -> Tensor:
         """float32 logits [n, vocab_size] for hidden states [n, hidden_size].
@@ -185,10 +198,11 @@ class LlamaForCausalLM(nn.Module):
         """
         n = hidden_states.shape[0]
         if self.packed_lm_head is not None and n <= SMALL_BATCH_MAX_ROWS:
-            logits = self.packed_lm_head.matmul(hidden_states)
-        else:
-            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            logits = torch.nn.functional.linear(hidden_states, weight)
+            if out is None:
+                out = hidden_states.new_empty(n, self.config.vocab_size, dtype=torch.float32)
+            return self.packed_lm_head.matmul(hidden_states, out=out)  # fp32 straight from the kernel
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = torch.nn.functional.linear(hidden_states, weight)
         if out is None:
             return logits.float()
         return out[:n].copy_(logits)
@@ -203,6 +217,7 @@ class LlamaForCausalLM(nn.Module):
         The caches are used in place and must hold finite values (allocate with torch.zeros).
         """
         layers = self.attention_layers()
+        self.fused_stack = None  # its table points at the old caches
         if kv_caches is None:
             for attn in layers:
                 attn.kv_cache = None

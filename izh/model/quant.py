@@ -2,18 +2,23 @@
 
 Decoding a few sequences on a CPU is bound by reading the weights from memory, not by arithmetic: every
 step streams all of them once per token row. Packed 4-bit weights are a quarter of bfloat16's bytes, so
-PyTorch's weight-only kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) run those steps
-several times faster. Larger batches are compute bound and stay on the dense bfloat16 matmul (oneDNN,
-AMX where present), which beats the weight-only kernels from about 8 rows up: each layer keeps both.
+weight-only kernels run those steps several times faster. Larger batches are compute bound and stay on the
+dense bfloat16 matmul (oneDNN, AMX where present), which beats the weight-only kernels from about 8 rows
+up: each layer keeps both.
 
-Formats (as the kernels define them):
-- int4: groups of `group_size` along the input dim, asymmetric: w = (q - 8) * scale + zero, q in [0, 15];
-  scales and zeros stored as [in / group_size, out, 2] in the activation dtype.
-- int8: per output row, symmetric: w = q * scale, q in [-127, 127].
+Two kernel families, chosen at load time:
+- izh's own (`izh.kernels.cpu.q4_matmul` / `q8_matmul`, C with AVX512-BF16): records laid out in the order
+  the kernel streams them, int4 with a bf16 scale and minimum per 32 inputs (w = q * scale + min, q in
+  [0, 15]: GGUF Q4_1's form) and int8 with a bf16 scale per 32 inputs (w = q * scale: GGUF Q8_0's form).
+  Used wherever the CPU has AVX512-BF16 and the C library built; 20-30% faster than PyTorch's kernels
+  when the weights stream from memory (bench_results/README.md).
+- PyTorch's (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) otherwise: int4 in the same groups
+  (w = (q - 8) * scale + zero, scales and zeros [in / group_size, out, 2]) and int8 per output row.
 
 A GGUF Q4_0 / Q4_1 tensor is exactly such an int4 tensor (group 32), so re-quantizing its dequantized
-values by each group's min and max recovers the file's own 4-bit codes: for those models the packed path
-loses nothing beyond rounding the scales to bfloat16.
+values by each group's min and max recovers the file's own 4-bit codes; likewise a Q8_0 tensor's codes by
+each group's largest magnitude. For those models the packed path loses nothing beyond rounding the scales
+to bfloat16.
 """
 
 from __future__ import annotations
@@ -26,14 +31,16 @@ import torch
 from torch import Tensor
 
 from izh.errors import ModelLoadError
+from izh.kernels import cpu as cpu_ops
 
 if TYPE_CHECKING:
     from izh.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-SMALL_BATCH_MAX_ROWS = 8
-"""Rows (tokens) up to which a step uses the packed weights; measured best on AVX-512/AMX, 2 cores (16 is slower)."""
+SMALL_BATCH_MAX_ROWS = cpu_ops.QGEMM_MAX_ROWS
+"""Rows (tokens) up to which a step uses the packed weights (8); measured best on AVX-512/AMX, 2 cores
+(16 is slower), and the most izh's record kernels take."""
 INT4_GROUP_SIZE = 32
 QUANTIZATION_MODES = ("auto", "none", "int4", "int8")
 
@@ -49,8 +56,9 @@ class Int4Weight:
     scales_zeros: Tensor
     group_size: int
 
-    def matmul(self, x: Tensor) -> Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
+    def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
+        return y if out is None else out[: y.shape[0]].copy_(y)
 
     @property
     def nbytes(self) -> int:
@@ -64,15 +72,49 @@ class Int8Weight:
     weight: Tensor
     scales: Tensor
 
-    def matmul(self, x: Tensor) -> Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+    def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+        return y if out is None else out[: y.shape[0]].copy_(y)
 
     @property
     def nbytes(self) -> int:
         return self.weight.nbytes + self.scales.nbytes
 
 
-PackedWeight = Int4Weight | Int8Weight
+@dataclass(frozen=True, slots=True)
+class Q4Records:
+    """A [out, in] weight as izh's int4 records (`izh.kernels.cpu.pack_q4`), for batches of <= 8 rows."""
+
+    records: Tensor
+    out_features: int
+    in_features: int
+
+    def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """x [M, in] bf16 -> new bf16 [M, out], or into out[:M] (float32 or bfloat16)."""
+        return cpu_ops.q4_matmul(x, self.records, self.out_features, self.in_features, out)
+
+    @property
+    def nbytes(self) -> int:
+        return self.records.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Q8Records:
+    """A [out, in] weight as izh's int8 records (`izh.kernels.cpu.pack_q8`), for batches of <= 8 rows."""
+
+    records: Tensor
+    out_features: int
+    in_features: int
+
+    def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        return cpu_ops.q8_matmul(x, self.records, self.out_features, self.in_features, out)
+
+    @property
+    def nbytes(self) -> int:
+        return self.records.nbytes
+
+
+PackedWeight = Int4Weight | Int8Weight | Q4Records | Q8Records
 
 
 def int4_supported(weight: Tensor, group_size: int = INT4_GROUP_SIZE) -> bool:
@@ -81,12 +123,9 @@ def int4_supported(weight: Tensor, group_size: int = INT4_GROUP_SIZE) -> bool:
     return out_features % 16 == 0 and in_features % group_size == 0
 
 
-def quantize_int4(weight: Tensor, group_size: int = INT4_GROUP_SIZE) -> Int4Weight:
-    """Pack a [out, in] float weight as asymmetric int4 groups (scale and zero in the weight's dtype)."""
-    if not int4_supported(weight, group_size):
-        raise ValueError(
-            f"int4 packing needs out % 16 == 0 and in % {group_size} == 0, got {tuple(weight.shape)}"
-        )
+def int4_groups(weight: Tensor, group_size: int = INT4_GROUP_SIZE) -> tuple[Tensor, Tensor, Tensor]:
+    """Asymmetric int4 of a [out, in] weight by groups along the input dim: (codes int32 [out, in] in
+    [0, 15], scale and minimum float32 [out, in / group_size]) with w ~ code * scale + minimum."""
     out_features, in_features = weight.shape
     groups = weight.detach().float().reshape(out_features, in_features // group_size, group_size)
     low = groups.amin(dim=-1)
@@ -95,19 +134,68 @@ def quantize_int4(weight: Tensor, group_size: int = INT4_GROUP_SIZE) -> Int4Weig
     # A constant group has no range: any positive scale codes it exactly (q = 0).
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.int32)
+    return codes.reshape(out_features, in_features), scale, low
+
+
+def quantize_int4(weight: Tensor, group_size: int = INT4_GROUP_SIZE) -> Int4Weight:
+    """Pack a [out, in] float weight as asymmetric int4 groups for PyTorch's kernel (scale and zero in the
+    weight's dtype)."""
+    if not int4_supported(weight, group_size):
+        raise ValueError(
+            f"int4 packing needs out % 16 == 0 and in % {group_size} == 0, got {tuple(weight.shape)}"
+        )
+    codes, scale, low = int4_groups(weight, group_size)
     zero = low + 8 * scale  # w = (q - 8) * scale + zero  ==  q * scale + low
     scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.reshape(out_features, in_features), 1)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     return Int4Weight(packed=packed, scales_zeros=scales_zeros, group_size=group_size)
 
 
 def quantize_int8(weight: Tensor) -> Int8Weight:
-    """Symmetric int8 per output row (scale = max |w| / 127)."""
+    """Symmetric int8 per output row (scale = max |w| / 127), for PyTorch's kernel."""
     w = weight.detach().float()
     scale = w.abs().amax(dim=1) / 127
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
     return Int8Weight(weight=codes.contiguous(), scales=scale.to(weight.dtype))
+
+
+def records_supported(weight: Tensor) -> bool:
+    """izh's record kernels run here and take this shape (out % 16 == 0, in % 32 == 0)."""
+    out_features, in_features = weight.shape
+    return (
+        out_features % 16 == 0
+        and in_features % cpu_ops.QGEMM_GROUP == 0
+        and weight.device.type == "cpu"
+        and cpu_ops.qgemm_available()
+    )
+
+
+def quantize_q4_records(weight: Tensor) -> Q4Records:
+    """izh's int4 records of a [out, in] weight (groups of 32, scale and minimum per group)."""
+    codes, scale, low = int4_groups(weight, cpu_ops.QGEMM_GROUP)
+    out_features, in_features = weight.shape
+    return Q4Records(cpu_ops.pack_q4(codes, scale, low), out_features, in_features)
+
+
+def quantize_q8_records(weight: Tensor) -> Q8Records:
+    """izh's int8 records of a [out, in] weight: symmetric per group of 32 (scale = max |w| / 127)."""
+    out_features, in_features = weight.shape
+    groups = weight.detach().float().reshape(out_features, -1, cpu_ops.QGEMM_GROUP)
+    scale = groups.abs().amax(dim=-1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = (groups / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    return Q8Records(
+        cpu_ops.pack_q8(codes.reshape(out_features, in_features), scale), out_features, in_features
+    )
+
+
+def _pack_int4(weight: Tensor) -> PackedWeight:
+    return quantize_q4_records(weight) if records_supported(weight) else quantize_int4(weight)
+
+
+def _pack_int8(weight: Tensor) -> PackedWeight:
+    return quantize_q8_records(weight) if records_supported(weight) else quantize_int8(weight)
 
 
 def resolve_quantization(
@@ -142,7 +230,8 @@ def pack_model_weights(
 
     With mode "int4", a linear is packed as int4 when int4 was asked for explicitly, or (auto) when its
     checkpoint tensors are all GGUF Q4_0 / Q4_1, which int4 holds exactly; any other linear, a shape the
-    int4 kernel cannot take, and the LM head (which decides the sampled token) get per-row int8.
+    int4 kernel cannot take, and the LM head (which decides the sampled token) get int8: per group of 32
+    with izh's kernels (exact for a GGUF Q8_0 tensor), per row with PyTorch's.
     """
     from izh.model.weights import linear_checkpoint_names
 
@@ -157,16 +246,20 @@ def pack_model_weights(
         want_int4 = mode == "int4" and (requested == "int4" or exact)
         packed: PackedWeight
         if want_int4 and int4_supported(linear.weight):
-            packed = quantize_int4(linear.weight)
+            packed = _pack_int4(linear.weight)
         else:
-            packed = quantize_int8(linear.weight)
+            packed = _pack_int8(linear.weight)
         linear.packed = packed
         added += packed.nbytes
     head_weight = head.weight if head is not None else model.model.embed_tokens.weight
-    lm_head_packed = quantize_int8(head_weight)
+    lm_head_packed = _pack_int8(head_weight)
     model.packed_lm_head = lm_head_packed
     added += lm_head_packed.nbytes
     logger.info(
-        "packed %s weights for batches of <= %d rows: %.1f MB", mode, SMALL_BATCH_MAX_ROWS, added / 1e6
+        "packed %s weights for batches of <= %d rows (%s kernels): %.1f MB",
+        mode,
+        SMALL_BATCH_MAX_ROWS,
+        "izh" if cpu_ops.qgemm_available() else "torch",
+        added / 1e6,
     )
     return added

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from izh.errors import ModelLoadError
+from izh.kernels import cpu as cpu_ops
 from izh.llm import LLM
 from izh.model.layers import Linear
 from izh.model.loader import checkpoint_quant_types, load_model
@@ -15,9 +16,13 @@ from izh.model.quant import (
     SMALL_BATCH_MAX_ROWS,
     Int4Weight,
     Int8Weight,
+    Q4Records,
+    Q8Records,
     pack_model_weights,
     quantize_int4,
     quantize_int8,
+    quantize_q4_records,
+    quantize_q8_records,
     resolve_quantization,
 )
 from izh.sampling_params import SamplingParams
@@ -25,15 +30,23 @@ from izh.sampling_params import SamplingParams
 CPU = torch.device("cpu")
 
 
-def _q4_1_values(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    """A weight exactly as a GGUF Q4_1 tensor stores it, dequantized (by the gguf package)."""
+needs_records = pytest.mark.skipif(
+    not cpu_ops.qgemm_available(), reason="izh's record kernels need AVX512-BF16 and the C kernels"
+)
+# The packed kinds this machine gets: izh's records where its kernels run, else PyTorch's formats.
+INT4_KIND, INT8_KIND = (Q4Records, Q8Records) if cpu_ops.qgemm_available() else (Int4Weight, Int8Weight)
+
+
+def _gguf_values(rows: int, cols: int, qtype: str = "Q4_1", seed: int = 0) -> torch.Tensor:
+    """A weight exactly as a GGUF tensor of `qtype` stores it, dequantized (by the gguf package)."""
     rng = np.random.default_rng(seed)
-    raw = gguf.quants.quantize(
-        rng.normal(0, 0.05, (rows, cols)).astype(np.float32), gguf.GGMLQuantizationType.Q4_1
-    )
-    return torch.from_numpy(
-        gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).reshape(rows, cols).copy()
-    )
+    kind = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quants.quantize(rng.normal(0, 0.05, (rows, cols)).astype(np.float32), kind)
+    return torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(rows, cols).copy())
+
+
+def _q4_1_values(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    return _gguf_values(rows, cols, "Q4_1", seed)
 
 
 def test_int4_packing_of_q4_1_values_recovers_them() -> None:
@@ -102,8 +115,8 @@ def test_gguf_packing_follows_the_stored_types(tiny_gguf_factory, qtype: str) ->
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     kinds = {type(m.packed) for m in linears}
     # Q4_1 holds exactly in int4; Q8_0 would lose precision there, so it gets int8.
-    assert kinds == ({Int4Weight} if qtype == "Q4_1" else {Int8Weight})
-    assert isinstance(model.packed_lm_head, Int8Weight)
+    assert kinds == ({INT4_KIND} if qtype == "Q4_1" else {INT8_KIND})
+    assert isinstance(model.packed_lm_head, INT8_KIND)
     assert added == sum(m.packed.nbytes for m in linears) + model.packed_lm_head.nbytes
 
 
@@ -142,3 +155,116 @@ def test_engine_picks_bfloat16_and_int4_for_a_q4_gguf_and_generates_like_dense(t
     assert packed_out.logprobs[0].chosen.logprob == pytest.approx(
         dense_out.logprobs[0].chosen.logprob, abs=0.1
     )
+
+
+@needs_records
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_records_hold_gguf_values_up_to_bfloat16_scales(qtype: str) -> None:
+    weight = _gguf_values(48, 96, qtype, seed=3)
+    if qtype == "Q4_1":
+        packed = quantize_q4_records(weight.bfloat16())
+        held = cpu_ops.unpack_q4(packed.records, 48, 96)
+    else:
+        packed = quantize_q8_records(weight.bfloat16())
+        held = cpu_ops.unpack_q8(packed.records, 48, 96)
+    # The file's codes come back; only the per-group scale (and minimum) are rounded to bfloat16.
+    err = (held - weight).abs()
+    assert err.max() <= 2**-7 * weight.abs().max(), err.max()
+    assert packed.nbytes == 48 * 96 * (5 / 8 if qtype == "Q4_1" else 17 / 16)
+
+
+@needs_records
+def test_record_matmuls_match_the_dense_product_of_what_they_hold() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64) * 0.1
+    x = torch.randn(5, 64).bfloat16()
+    for packed, unpack in (
+        (quantize_q4_records(weight.bfloat16()), cpu_ops.unpack_q4),
+        (quantize_q8_records(weight.bfloat16()), cpu_ops.unpack_q8),
+    ):
+        held = unpack(packed.records, 96, 64)
+        expected = x.float() @ held.t()
+        out = packed.matmul(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (5, 96)
+        assert torch.allclose(out.float(), expected, rtol=2**-8, atol=1e-5)
+        logits = torch.full((8, 96), float("nan"))
+        assert packed.matmul(x, out=logits) is not None
+        assert torch.allclose(logits[:5], expected, rtol=1e-5, atol=1e-5)
+        assert logits[5:].isnan().all()  # rows past M untouched
+
+
+def test_fused_decode_stack_gives_the_module_path_tokens(tiny_checkpoint_factory) -> None:
+    """Explicit int4 packing of float checkpoints (Llama untied, Qwen2 with qkv bias): the fused C stack
+    runs the small decode steps and gives exactly the modules' tokens and logprobs; Qwen3 (q/k norm)
+    keeps the modules."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": [5, 17, 33, 9, 61, 2]}, {"prompt_token_ids": [7, 7, 300, 41]}]
+    for kind in ("llama3", "qwen2", "qwen3"):
+        llm = LLM(
+            tiny_checkpoint_factory(kind),
+            dtype="bfloat16",
+            quantization="int4",
+            kv_cache_memory_bytes=4 << 20,
+            show_progress=False,
+        )
+        model = llm.engine_core.runner.model
+        fused = model.fused_stack
+        if kind == "qwen3" or not cpu_ops.qgemm_available():
+            assert fused is None
+            continue
+        assert fused is not None
+        calls: list[int] = []
+        run = fused.run
+        fused.run = lambda *a, _run=run, _calls=calls: _calls.append(1) or _run(*a)  # type: ignore[method-assign]
+        with_stack = llm.generate(prompts, params)
+        assert len(calls) == 11  # every decode step after the prefill
+        model.fused_stack = None
+        llm.engine_core.reset_prefix_cache()
+        without = llm.generate(prompts, params)
+        for a, b in zip(with_stack, without, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_binding_new_kv_caches_drops_the_fused_stack(tiny_checkpoint_factory) -> None:
+    llm = LLM(
+        tiny_checkpoint_factory("llama"),
+        dtype="bfloat16",
+        quantization="int4",
+        kv_cache_memory_bytes=4 << 20,
+        show_progress=False,
+    )
+    runner = llm.engine_core.runner
+    model = runner.model
+    assert (model.fused_stack is not None) == cpu_ops.qgemm_available()
+    model.bind_kv_caches(runner.kv_caches)
+    assert model.fused_stack is None
+    assert model.prepare_fused_decode() == cpu_ops.qgemm_available()
+
+
+@needs_records
+def test_fused_decode_stack_rejects_a_slot_outside_the_cache(tiny_checkpoint_factory) -> None:
+    from izh.model.attention import AttentionMetadata
+
+    llm = LLM(
+        tiny_checkpoint_factory("llama"),
+        dtype="bfloat16",
+        quantization="int4",
+        kv_cache_memory_bytes=4 << 20,
+        show_progress=False,
+    )
+    runner = llm.engine_core.runner
+    model = runner.model
+    num_slots = runner.num_blocks * runner.block_size
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([1], dtype=torch.int32),
+        slot_mapping=torch.tensor([num_slots], dtype=torch.int64),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        max_query_len=1,
+        max_seq_len=1,
+    )
+    caches_before = [c.clone() for c in runner.kv_caches]
+    with torch.inference_mode(), pytest.raises(IndexError, match="slot_mapping points past the end"):
+        model(torch.tensor([5]), torch.tensor([0]), metadata)
+    assert all(torch.equal(a, b) for a, b in zip(caches_before, runner.kv_caches, strict=True))

@@ -502,3 +502,95 @@ class _AttentionCase:
             v = v_ctx.float().repeat_interleave(group, dim=1).transpose(0, 1)
             outs.append(F.scaled_dot_product_attention(q, k, v, scale=self.scale)[:, 0])
         return torch.stack(outs)
+
+
+# --- quantized record matmuls ----------------------------------------------------------------------------
+
+needs_qgemm = pytest.mark.skipif(
+    not K.qgemm_available(), reason="record kernels need the C kernels and AVX512-BW + AVX512-BF16"
+)
+
+
+def _q4_parts(n: int, k: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    g = _gen(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    scales = torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4
+    mins = -torch.rand(n, k // 32, generator=g) * 0.08
+    return codes, scales, mins
+
+
+def _per_input(v: Tensor) -> Tensor:
+    return v.to(BF16).float().repeat_interleave(32, dim=1)
+
+
+def test_q4_records_unpack_to_code_times_scale_plus_min() -> None:
+    codes, scales, mins = _q4_parts(48, 96, seed=1)
+    records = K.pack_q4(codes, scales, mins)
+    assert records.shape == (3, 3, K.Q4_RECORD_BYTES) and records.dtype == torch.uint8
+    expected = codes.float() * _per_input(scales) + _per_input(mins)
+    assert torch.equal(K.unpack_q4(records, 48, 96), expected)
+    # The layout the kernel reads: row 5's codes for inputs 0..3 of tile 0, group 0 sit in block 0,
+    # bytes 10 and 11, as (input 0 | input 2 << 4) and (input 1 | input 3 << 4).
+    assert records[0, 0, 10].item() == codes[5, 0].item() | codes[5, 2].item() << 4
+    assert records[0, 0, 11].item() == codes[5, 1].item() | codes[5, 3].item() << 4
+
+
+def test_q8_records_unpack_to_code_times_scale() -> None:
+    g = _gen(2)
+    codes = torch.randint(-128, 128, (32, 64), generator=g)
+    scales = torch.rand(32, 2, generator=g) * 0.01
+    records = K.pack_q8(codes, scales)
+    assert records.shape == (2, 2, K.Q8_RECORD_BYTES)
+    assert torch.equal(K.unpack_q8(records, 32, 64), codes.float() * _per_input(scales))
+
+
+def test_record_shapes_are_checked() -> None:
+    with pytest.raises(ValueError, match="out % 16"):
+        K.pack_q4(torch.zeros(24, 64, dtype=torch.long), torch.ones(24, 2), torch.zeros(24, 2))
+    with pytest.raises(ValueError, match="in % 32"):
+        K.pack_q8(torch.zeros(16, 40, dtype=torch.long), torch.ones(16, 1))
+
+
+@needs_qgemm
+@pytest.mark.parametrize("m", range(1, K.QGEMM_MAX_ROWS + 1))
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (960, 576), (64, 1536)])
+def test_q4_matmul(m: int, n: int, k: int) -> None:
+    records = K.pack_q4(*_q4_parts(n, k, seed=m))
+    x = _randn(m, k, dtype=BF16, seed=10 + m)
+    # fp32 accumulation in another order, one rounding to bf16: the reference's bf16 or one ulp off.
+    _assert_close_to_ref(K.q4_matmul(x, records, n, k), K.q4_matmul_ref(x, records, n, k))
+    logits = torch.empty(K.QGEMM_MAX_ROWS, n)
+    K.q4_matmul(x, records, n, k, out=logits)
+    ref = K.q4_matmul_ref(x, records, n, k, torch.float32)
+    assert torch.allclose(logits[:m], ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+
+
+@needs_qgemm
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (512, 576)])
+def test_q8_matmul(m: int, n: int, k: int) -> None:
+    g = _gen(m)
+    records = K.pack_q8(
+        torch.randint(-127, 128, (n, k), generator=g), torch.rand(n, k // 32, generator=g) * 0.01
+    )
+    x = _randn(m, k, dtype=BF16, seed=20 + m)
+    _assert_close_to_ref(K.q8_matmul(x, records, n, k), K.q8_matmul_ref(x, records, n, k))
+    logits = torch.empty(m, n)
+    K.q8_matmul(x, records, n, k, out=logits)
+    ref = K.q8_matmul_ref(x, records, n, k, torch.float32)
+    assert torch.allclose(logits, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+
+
+@needs_qgemm
+def test_q4_matmul_reads_strided_rows() -> None:
+    records = K.pack_q4(*_q4_parts(32, 64, seed=3))
+    wide = _randn(3, 100, dtype=BF16, seed=4)
+    x = wide[:, 10:74]  # row stride 100
+    assert torch.equal(K.q4_matmul(x, records, 32, 64), K.q4_matmul(x.contiguous(), records, 32, 64))
+
+
+def test_record_matmuls_fall_back_to_the_reference() -> None:
+    """float32 input, more than 8 rows: the kernel does not apply and the reference answers."""
+    records = K.pack_q4(*_q4_parts(16, 32, seed=5))
+    for x in (_randn(2, 32, seed=6), _randn(K.QGEMM_MAX_ROWS + 1, 32, dtype=BF16, seed=7)):
+        assert torch.equal(K.q4_matmul(x, records, 16, 32), K.q4_matmul_ref(x, records, 16, 32))

@@ -8,6 +8,12 @@ kernel is used when the library is available, the tensors are on the CPU, the dt
 and the layout is one the kernel takes; otherwise the call falls through to the reference, so every
 function works everywhere.
 
+With AVX512-BW and AVX512-BF16 (`qgemm_available()`), the library also has weight-only matmuls for 1..8
+rows over weights packed as "records" (`pack_q4` / `pack_q8`, int4 and int8 in groups of 32, defined by
+`unpack_q4` / `unpack_q8` and `q4_matmul_ref` / `q8_matmul_ref`), and `decode_stack`, which runs a whole
+decode step through every decoder layer with those matmuls and the kernels above in one call
+(izh.model.fused_stack).
+
 Rounding follows the references op for op: every elementwise op of a reference rounds its fp32 result to
 bf16 (round to nearest even, as `c10::BFloat16`), and the C code rounds at the same points. `rotary_`,
 `rms_norm` and `add_rms_norm_` are bit-identical to their references in both dtypes: RMSNorm's row sum
@@ -19,8 +25,8 @@ summation order and rounds once at the end.
 
 Build: `izh_cpu.c` (plain C11 + OpenMP, no torch headers) is compiled on first use with
 `gcc -O3 -march=native -std=c11 -fPIC -shared -fopenmp -ffp-contract=off -fno-math-errno
--mprefer-vector-width=512` (about 1.8 s on a 2-core Xeon, most of it the attention kernel's copies for
-head sizes 64 and 128) and loaded with ctypes. The library is cached under `$IZH_CACHE_DIR/kernels/`
+-mprefer-vector-width=512` (about 3.5 s on a 2-core Xeon, most of it the attention kernel's copies for
+head sizes 64 and 128 and the matmuls' copies for each row count) and loaded with ctypes. The library is cached under `$IZH_CACHE_DIR/kernels/`
 (else `~/.cache/izh/kernels/`), named by a hash of the source, the command, `gcc --version`, the machine
 and the CPU's flags (`-march=native` code must not be reused on another CPU); it is built into a
 temporary file in that folder and moved into place with `os.replace`, so concurrent builders are safe.
@@ -73,21 +79,31 @@ __all__ = [
     "add_rms_norm_ref_",
     "available",
     "build",
+    "decode_stack",
     "default_cache_dir",
+    "pack_q4",
+    "pack_q8",
     "paged_decode_attention",
     "paged_decode_attention_ref",
+    "q4_matmul",
+    "q4_matmul_ref",
+    "q8_matmul",
+    "q8_matmul_ref",
+    "qgemm_available",
     "rms_norm",
     "rms_norm_ref",
     "rotary_",
     "rotary_ref_",
     "silu_mul",
     "silu_mul_ref",
+    "unpack_q4",
+    "unpack_q8",
 ]
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("izh_cpu.c")
-_ABI_VERSION = 1  # izh_cpu_abi_version() in the C file
+_ABI_VERSION = 2  # izh_cpu_abi_version() in the C file
 _CC = "gcc"
 _CFLAGS = (
     "-O3",
@@ -345,7 +361,19 @@ def _load_library(cache_dir: Path | str | None = None) -> dict[torch.dtype, _Ker
         lib.izh_cpu_abi_version.restype = ctypes.c_int
         if lib.izh_cpu_abi_version() != _ABI_VERSION:
             raise OSError(f"ABI version {lib.izh_cpu_abi_version()} != {_ABI_VERSION}")
-        return {torch.float32: _bind(lib, "f32"), torch.bfloat16: _bind(lib, "bf16")}
+        kernels = {torch.float32: _bind(lib, "f32"), torch.bfloat16: _bind(lib, "bf16")}
+        lib.izh_qgemm_available.restype = ctypes.c_int
+        if lib.izh_qgemm_available():
+            for name in ("izh_q4_gemm", "izh_q8_gemm"):
+                fn = getattr(lib, name)
+                fn.restype = _INT
+                fn.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _P, _I64, _INT, _INT]
+            stack = lib.izh_decode_stack_bf16
+            stack.restype = _INT
+            stack.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _P, _P, _P, _P]
+            stack.argtypes += [_P, _P, _I64, _P, _I64, _I64, _INT]
+            _qgemm.extend((lib.izh_q4_gemm, lib.izh_q8_gemm, stack))
+        return kernels
     except (OSError, AttributeError) as exc:
         logger.warning(
             "izh CPU kernels unavailable, using the torch fallbacks: cannot load %s: %s", result.path, exc
@@ -356,6 +384,7 @@ def _load_library(cache_dir: Path | str | None = None) -> dict[torch.dtype, _Ker
 _lock = threading.Lock()
 _resolved = False
 _kernels: dict[torch.dtype, _Kernels] = {}  # filled once, when the library loads
+_qgemm: list[Any] = []  # [izh_q4_gemm, izh_q8_gemm, izh_decode_stack_bf16] when the CPU has AVX512-BF16
 
 
 def _resolve() -> dict[torch.dtype, _Kernels]:
@@ -376,6 +405,14 @@ def _resolve() -> dict[torch.dtype, _Kernels]:
 def available() -> bool:
     """True when the C kernels are loaded (built on the first call; thread-safe; never raises)."""
     return bool(_kernels if _resolved else _resolve())
+
+
+def qgemm_available() -> bool:
+    """True when the quantized matmuls (`q4_matmul`, `q8_matmul`) run here: the library is loaded and the
+    CPU has AVX512-BW and AVX512-BF16."""
+    if not _resolved:
+        _resolve()
+    return bool(_qgemm)
 
 
 # --- entry points -----------------------------------------------------------------------------------
@@ -602,4 +639,206 @@ def paged_decode_attention(
     )
     if rc != 0:
         raise IndexError(f"paged_decode_attention: {_ATTENTION_ERRORS.get(rc, f'error {rc}')}")
+    return out
+
+
+# --- weight-only quantized matmuls (1..8 rows) --------------------------------------------------------
+#
+# Records as izh_cpu.c lays them out (see the comment there): weights in the order the kernel streams
+# them, 16 output rows at a time, one fixed-size record per group of 32 inputs. `pack_*` builds them from
+# codes and scales, `unpack_*` turns them back into a float weight (the reference), `q*_matmul` runs them.
+
+QGEMM_MAX_ROWS = 8
+Q4_RECORD_BYTES = 320
+Q8_RECORD_BYTES = 544
+QGEMM_GROUP = 32
+
+
+def _check_qshape(n: int, k: int) -> None:
+    if n <= 0 or k <= 0 or n % 16 or k % QGEMM_GROUP:
+        raise ValueError(f"quantized records need out % 16 == 0 and in % {QGEMM_GROUP} == 0, got ({n}, {k})")
+
+
+def _rows_bf16(v: Tensor, tiles: int, groups: int) -> Tensor:
+    """[N, groups] values -> [tiles, groups, 16 rows] bf16, as bytes [tiles, groups, 32]."""
+    return v.to(torch.bfloat16).reshape(tiles, 16, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+
+def _rows_from_bf16(b: Tensor, n: int, groups: int) -> Tensor:
+    """Inverse of `_rows_bf16`: bytes [tiles, groups, 32] -> float32 [N, groups]."""
+    return b.contiguous().view(torch.bfloat16).float().transpose(1, 2).reshape(n, groups)
+
+
+def pack_q4(codes: Tensor, scales: Tensor, mins: Tensor) -> Tensor:
+    """int4 records (uint8 [N / 16, K / 32, 320]) for w = code * scale + min: codes [N, K] in 0..15,
+    scales and mins [N, K / 32] (stored as bfloat16)."""
+    n, k = codes.shape
+    _check_qshape(n, k)
+    tiles, groups = n // 16, k // QGEMM_GROUP
+    # Input 32 g + 4 b + 2 h + e of row i goes to byte 2 i + e of block b, low nibble for h = 0.
+    c = codes.to(torch.uint8).reshape(tiles, 16, groups, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)
+    nibbles = (c[..., 0] | (c[..., 1] << 4)).reshape(tiles, groups, 256)
+    return torch.cat(
+        (nibbles, _rows_bf16(scales, tiles, groups), _rows_bf16(mins, tiles, groups)), dim=2
+    ).contiguous()
+
+
+def unpack_q4(records: Tensor, n: int, k: int) -> Tensor:
+    """The float32 weight [N, K] that int4 records hold."""
+    _check_qshape(n, k)
+    tiles, groups = n // 16, k // QGEMM_GROUP
+    r = records.reshape(tiles, groups, Q4_RECORD_BYTES)
+    nibbles = r[..., :256].reshape(tiles, groups, 8, 16, 2)  # [t, g, b, i, e]
+    codes = torch.stack((nibbles & 15, nibbles >> 4), dim=-1)  # [t, g, b, i, e, h]
+    codes = codes.permute(0, 3, 1, 2, 5, 4).reshape(n, k).float()  # [t, i, g, b, h, e]
+    scales = _rows_from_bf16(r[..., 256:288], n, groups).repeat_interleave(QGEMM_GROUP, 1)
+    mins = _rows_from_bf16(r[..., 288:320], n, groups).repeat_interleave(QGEMM_GROUP, 1)
+    return codes * scales + mins
+
+
+def pack_q8(codes: Tensor, scales: Tensor) -> Tensor:
+    """int8 records (uint8 [N / 16, K / 32, 544]) for w = code * scale: codes [N, K] in -128..127, scales
+    [N, K / 32] (stored as bfloat16)."""
+    n, k = codes.shape
+    _check_qshape(n, k)
+    tiles, groups = n // 16, k // QGEMM_GROUP
+    c = codes.to(torch.int8).reshape(tiles, 16, groups, QGEMM_GROUP).permute(0, 2, 3, 1)  # [t, g, k, i]
+    c = c.contiguous().view(torch.uint8).reshape(tiles, groups, 512)
+    return torch.cat((c, _rows_bf16(scales, tiles, groups)), dim=2).contiguous()
+
+
+def unpack_q8(records: Tensor, n: int, k: int) -> Tensor:
+    """The float32 weight [N, K] that int8 records hold."""
+    _check_qshape(n, k)
+    tiles, groups = n // 16, k // QGEMM_GROUP
+    r = records.reshape(tiles, groups, Q8_RECORD_BYTES)
+    codes = r[..., :512].contiguous().view(torch.int8).reshape(tiles, groups, QGEMM_GROUP, 16)
+    codes = codes.permute(0, 3, 1, 2).reshape(n, k).float()
+    return codes * _rows_from_bf16(r[..., 512:], n, groups).repeat_interleave(QGEMM_GROUP, 1)
+
+
+def q4_matmul_ref(x: Tensor, records: Tensor, n: int, k: int, out_dtype: torch.dtype | None = None) -> Tensor:
+    """x [M, K] @ W^T in float32, rounded once to `out_dtype` (default x's dtype)."""
+    return (x.float() @ unpack_q4(records, n, k).T).to(out_dtype or x.dtype)
+
+
+def q8_matmul_ref(x: Tensor, records: Tensor, n: int, k: int, out_dtype: torch.dtype | None = None) -> Tensor:
+    """As `q4_matmul_ref`, for int8 records."""
+    return (x.float() @ unpack_q8(records, n, k).T).to(out_dtype or x.dtype)
+
+
+def _qgemm_call(which: int, x: Tensor, records: Tensor, n: int, k: int, out: Tensor | None) -> Tensor | None:
+    """Run the C kernel when it applies (None otherwise): x bf16 [1..8, K] with unit inner stride; out
+    None (a new bf16 [M, N]) or a float32 / bfloat16 [>= M, N] tensor with unit inner stride."""
+    if not (_qgemm if _resolved else (_resolve(), _qgemm)[1]):
+        return None
+    if not (x.is_cpu and x.dtype == torch.bfloat16 and x.dim() == 2 and records.is_cpu):
+        return None
+    m = x.shape[0]
+    if not (1 <= m <= QGEMM_MAX_ROWS and x.shape[1] == k and x.stride(1) == 1):
+        return None
+    if out is None:
+        out = x.new_empty(m, n)
+    elif not (
+        out.is_cpu
+        and out.dtype in (torch.float32, torch.bfloat16)
+        and out.dim() == 2
+        and out.shape[0] >= m
+        and out.shape[1] == n
+        and out.stride(1) == 1
+    ):
+        return None
+    rc = _qgemm[which](
+        x.data_ptr(),
+        x.stride(0),
+        records.data_ptr(),
+        m,
+        n,
+        k,
+        out.data_ptr(),
+        out.stride(0),
+        out.dtype == torch.float32,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"quantized matmul failed (code {rc}) for x {tuple(x.shape)}, weight ({n}, {k})")
+    return out[:m]
+
+
+def q4_matmul(x: Tensor, records: Tensor, n: int, k: int, out: Tensor | None = None) -> Tensor:
+    """`q4_matmul_ref(x, ...)` for x [M <= 8, K]: a new bf16 [M, N], or written into out[:M] (float32 or
+    bfloat16, e.g. a logits buffer) and returned. records: `pack_q4`'s, contiguous."""
+    got = _qgemm_call(0, x, records, n, k, out)
+    if got is not None:
+        return got
+    y = q4_matmul_ref(x, records, n, k, out.dtype if out is not None else None)
+    return y if out is None else out[: y.shape[0]].copy_(y)
+
+
+def q8_matmul(x: Tensor, records: Tensor, n: int, k: int, out: Tensor | None = None) -> Tensor:
+    """As `q4_matmul`, for `pack_q8` records."""
+    got = _qgemm_call(1, x, records, n, k, out)
+    if got is not None:
+        return got
+    y = q8_matmul_ref(x, records, n, k, out.dtype if out is not None else None)
+    return y if out is None else out[: y.shape[0]].copy_(y)
+
+
+# --- the fused decode stack -----------------------------------------------------------------------------
+
+STACK_FIELDS = 15
+"""int64 fields per layer in `decode_stack`'s table (see izh_decode_stack_bf16 in izh_cpu.c)."""
+
+
+def decode_stack(
+    table: Tensor,
+    dims: tuple[int, int, int, int, int],
+    eps: float,
+    scale: float,
+    x: Tensor,
+    final_norm: Tensor,
+    cos_sin: Tensor,
+    kv_geometry: tuple[int, int],
+    slot_mapping: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+) -> Tensor:
+    """Every decoder layer plus the final norm for M <= 8 single-token decodes, in one C call.
+
+    table: int64 [layers, STACK_FIELDS] (`izh.model.fused_stack` builds it); dims: (hidden, heads, kv heads,
+    head_dim, intermediate); x: bf16 [M, hidden] embeddings, overwritten (it carries the residual stream);
+    cos_sin [M, head_dim]; kv_geometry: (num_blocks, block_size); slot_mapping int64 [M], block_tables
+    int32 [M, max_blocks], seq_lens int32 [M]. Returns the final-normed hidden states [M, hidden]. Only
+    callable when `qgemm_available()`; raises IndexError for an index outside the cache (nothing written).
+    """
+    hidden, heads, kv_heads, head_dim, inter = dims
+    m = x.shape[0]
+    out = x.new_empty(m, hidden)
+    rc = _qgemm[2](
+        table.data_ptr(),
+        table.shape[0],
+        m,
+        hidden,
+        heads,
+        kv_heads,
+        head_dim,
+        inter,
+        eps,
+        scale,
+        x.data_ptr(),
+        final_norm.data_ptr(),
+        out.data_ptr(),
+        cos_sin.data_ptr(),
+        slot_mapping.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        seq_lens.data_ptr(),
+        kv_geometry[0],
+        kv_geometry[1],
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        if rc in _ATTENTION_ERRORS and rc != -4:
+            raise IndexError(f"decode_stack: {_ATTENTION_ERRORS[rc]}")
+        raise RuntimeError(f"decode_stack failed (code {rc})")
     return out

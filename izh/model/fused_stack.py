@@ -1,0 +1,122 @@
+"""Small decode steps through the whole decoder stack in one C call (`izh.kernels.cpu.decode_stack`).
+
+A single-stream decode step of a small model on a CPU spends as long in Python between the kernels
+(module calls, views, ctypes, ~80 us a layer) as in the layer's matmuls. When every linear of a Llama-style
+model holds izh's packed records, the C side can run the same kernels in the same order itself: its output
+is bit-identical to the module path's, which stays the definition (and runs everything else: prefills,
+mixed steps, batches over 8 rows, per-head q/k norms, other backends).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import Tensor
+
+from izh.kernels import cpu as cpu_ops
+from izh.model.attention import AttentionMetadata, PagedTorchAttentionBackend
+from izh.model.quant import Q4Records, Q8Records
+
+if TYPE_CHECKING:
+    from izh.model.layers import Linear
+    from izh.model.llama import DecoderLayer, LlamaForCausalLM
+
+
+class FusedDecodeStack:
+    """The pointer table of one model's layers (weights, norms, KV caches) for `cpu_ops.decode_stack`.
+
+    Holds raw pointers: build it after the weights are packed and the KV caches bound, and drop it when
+    either changes (`LlamaForCausalLM.bind_kv_caches` does).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, table: Tensor) -> None:
+        config = model.config
+        self.table = table
+        self.dims = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            config.intermediate_size,
+        )
+        self.eps = config.rms_norm_eps
+        self.scale = config.head_dim**-0.5
+        self.final_norm = model.model.norm.weight
+        kv = model.attention_layers()[0].kv_cache
+        assert kv is not None
+        self.kv_geometry = (int(kv.shape[1]), int(kv.shape[2]))
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM) -> FusedDecodeStack | None:
+        """The stack for `model`, or None when it cannot run fused: not a bfloat16 CPU model, no C kernels
+        here, per-head q/k norms, a linear without izh's records, or no bound KV cache."""
+        config = model.config
+        if model.dtype != torch.bfloat16 or config.qk_norm or not cpu_ops.qgemm_available():
+            return None
+        rows: list[list[int]] = []
+        for module in model.model.layers:
+            layer = cast("DecoderLayer", module)
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.kv_cache is None or not attn.kv_cache.is_cpu or not attn.kv_cache.is_contiguous():
+                return None
+            row = [
+                layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+                attn.kv_cache.data_ptr(),
+            ]
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                fields = _linear_fields(linear)
+                if fields is None:
+                    return None
+                row.extend(fields)
+            rows.append(row)
+        if not rows or not model.model.norm.weight.is_contiguous():
+            return None
+        table = torch.tensor(rows, dtype=torch.int64)
+        assert table.shape[1] == cpu_ops.STACK_FIELDS
+        return cls(model, table)
+
+    @staticmethod
+    def applies(input_ids: Tensor, attn_metadata: AttentionMetadata, backend: object) -> bool:
+        """This step is single-token decodes only, at most 8, through the paged CPU backend."""
+        return (
+            attn_metadata.max_query_len == 1
+            and input_ids.shape[0] <= cpu_ops.QGEMM_MAX_ROWS
+            and type(backend) is PagedTorchAttentionBackend
+        )
+
+    def run(self, hidden_states: Tensor, cos_sin: Tensor, attn_metadata: AttentionMetadata) -> Tensor:
+        """Final-normed hidden states for the embeddings `hidden_states` [M, hidden] (overwritten)."""
+        return cpu_ops.decode_stack(
+            self.table,
+            self.dims,
+            self.eps,
+            self.scale,
+            hidden_states,
+            self.final_norm,
+            cos_sin,
+            self.kv_geometry,
+            _as(attn_metadata.slot_mapping, torch.int64),
+            _as(attn_metadata.block_tables, torch.int32),
+            _as(attn_metadata.seq_lens, torch.int32),
+        )
+
+
+def _linear_fields(linear: Linear) -> list[int] | None:
+    """(records pointer, kind 4 or 8, bias pointer or 0) for a linear packed with izh's records."""
+    packed = linear.packed
+    if isinstance(packed, Q4Records):
+        kind = 4
+    elif isinstance(packed, Q8Records):
+        kind = 8
+    else:
+        return None
+    bias = linear.bias
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return None
+    return [packed.records.data_ptr(), kind, 0 if bias is None else bias.data_ptr()]
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
