@@ -576,7 +576,7 @@ DEFINE_ATTENTION(bf16, 1)
 #define Q8_RECORD 544
 #define QGEMM_MAX_M 8
 /* Software prefetch distance, in records: the hardware prefetcher alone leaves ~25% of the bandwidth. */
-#define QGEMM_PREFETCH 4
+#define QGEMM_PREFETCH 8
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
