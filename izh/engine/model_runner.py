@@ -127,7 +127,9 @@ class ModelRunner:
         self.attention_backend = self._resolve_attention_backend(config.attention_backend)
         self.model.paged_backend = get_attention_backend(self.attention_backend)
         if self.model.prepare_fused_decode():
-            logger.info("decode steps of <= 8 tokens run the fused C decoder stack")
+            logger.info(
+                "decode steps of <= %d tokens run the fused C decoder stack", cpu_ops.qgemm_max_rows()
+            )
         self.graph_runner = self._make_graph_runner()
         # Unseeded sampling draws from the engine's own generator, seeded by the engine seed setting.
         self.sampler = Sampler(make_generator(config.seed, self.device))

@@ -4,7 +4,7 @@ A single-stream decode step of a small model on a CPU spends as long in Python b
 (module calls, views, ctypes, ~80 us a layer) as in the layer's matmuls. When every linear of a Llama-style
 model holds izh's packed records, the C side can run the same kernels in the same order itself: its output
 is bit-identical to the module path's, which stays the definition (and runs everything else: prefills,
-mixed steps, batches over 8 rows, per-head q/k norms, other backends).
+mixed steps, batches over `qgemm_max_rows()`, per-head q/k norms, other backends).
 """
 
 from __future__ import annotations
@@ -79,10 +79,10 @@ class FusedDecodeStack:
 
     @staticmethod
     def applies(input_ids: Tensor, attn_metadata: AttentionMetadata, backend: object) -> bool:
-        """This step is single-token decodes only, at most 8, through the paged CPU backend."""
+        """This step is single-token decodes only, at most `qgemm_max_rows()`, through the paged CPU backend."""
         return (
             attn_metadata.max_query_len == 1
-            and input_ids.shape[0] <= cpu_ops.QGEMM_MAX_ROWS
+            and input_ids.shape[0] <= cpu_ops.qgemm_max_rows()
             and type(backend) is PagedTorchAttentionBackend
         )
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from izh.kernels import cpu as cpu_ops
-from izh.model.quant import SMALL_BATCH_MAX_ROWS, PackedWeight
+from izh.model.quant import PackedWeight
 
 
 class RMSNorm(nn.Module):
@@ -66,7 +66,7 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
         self.packed: PackedWeight | None = None
-        """Weight-only int4/int8 copy for batches of <= SMALL_BATCH_MAX_ROWS rows (izh.model.quant)."""
+        """Weight-only int4/int8 copy for batches of <= packed.max_rows rows (izh.model.quant)."""
 
     def shard_rows(self) -> list[tuple[str | None, int, int]]:
         """(checkpoint shard name or None if unpacked, first row, end row) for each shard."""
@@ -79,8 +79,9 @@ class Linear(nn.Module):
         return rows
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.packed is not None and x.shape[0] <= SMALL_BATCH_MAX_ROWS:
-            y = self.packed.matmul(x)
+        packed = self.packed
+        if packed is not None and x.shape[0] <= packed.max_rows:
+            y = packed.matmul(x)
             return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
 

@@ -27,7 +27,7 @@ from izh.model.layers import (
     VocabEmbedding,
     apply_rotary_,
 )
-from izh.model.quant import SMALL_BATCH_MAX_ROWS, PackedWeight
+from izh.model.quant import PackedWeight
 
 
 class DecoderAttention(nn.Module):
@@ -197,10 +197,11 @@ class LlamaForCausalLM(nn.Module):
         the page faults of a fresh multi-MB tensor every step (5 ms vs 1 ms at 128 x 49k on a CPU).
         """
         n = hidden_states.shape[0]
-        if self.packed_lm_head is not None and n <= SMALL_BATCH_MAX_ROWS:
+        head = self.packed_lm_head
+        if head is not None and n <= head.max_rows:
             if out is None:
                 out = hidden_states.new_empty(n, self.config.vocab_size, dtype=torch.float32)
-            return self.packed_lm_head.matmul(hidden_states, out=out)  # fp32 straight from the kernel
+            return head.matmul(hidden_states, out=out)  # fp32 straight from the kernel
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = torch.nn.functional.linear(hidden_states, weight)
         if out is None:

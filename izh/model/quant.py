@@ -1,10 +1,10 @@
 """Weight-only int4 / int8 matmuls for small CPU batches.
 
 Decoding a few sequences on a CPU is bound by reading the weights from memory, not by arithmetic: every
-step streams all of them once per token row. Packed 4-bit weights are a quarter of bfloat16's bytes, so
-weight-only kernels run those steps several times faster. Larger batches are compute bound and stay on the
-dense bfloat16 matmul (oneDNN, AMX where present), which beats the weight-only kernels from about 8 rows
-up: each layer keeps both.
+step streams all of them once. Packed 4-bit weights are a quarter of bfloat16's bytes, so weight-only
+kernels run those steps several times faster. Large batches (prefills) are compute bound and stay on the
+dense bfloat16 matmul (oneDNN, AMX where present): each layer keeps both, and a step takes the packed
+weight up to its `max_rows` (PyTorch's kernels: 8; izh's: 64 with AMX, 8 with AVX-512 alone).
 
 Two kernel families, chosen at load time:
 - izh's own (`izh.kernels.cpu.q4_matmul` / `q8_matmul`, C with AVX512-BF16): records laid out in the order
@@ -38,9 +38,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SMALL_BATCH_MAX_ROWS = cpu_ops.QGEMM_MAX_ROWS
-"""Rows (tokens) up to which a step uses the packed weights (8); measured best on AVX-512/AMX, 2 cores
-(16 is slower), and the most izh's record kernels take."""
+TORCH_PACKED_MAX_ROWS = 8
+"""Rows (tokens) up to which PyTorch's packed kernels beat the dense bfloat16 matmul (measured on AVX-512/AMX,
+2 cores: 16 is slower). izh's records go further where AMX runs them (`cpu_ops.qgemm_max_rows()`: 64)."""
 INT4_GROUP_SIZE = 32
 QUANTIZATION_MODES = ("auto", "none", "int4", "int8")
 
@@ -55,6 +55,11 @@ class Int4Weight:
     packed: Tensor
     scales_zeros: Tensor
     group_size: int
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows (tokens) a step sends through this weight instead of the dense one."""
+        return TORCH_PACKED_MAX_ROWS
 
     def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
@@ -72,6 +77,10 @@ class Int8Weight:
     weight: Tensor
     scales: Tensor
 
+    @property
+    def max_rows(self) -> int:
+        return TORCH_PACKED_MAX_ROWS
+
     def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
         return y if out is None else out[: y.shape[0]].copy_(y)
@@ -83,11 +92,13 @@ class Int8Weight:
 
 @dataclass(frozen=True, slots=True)
 class Q4Records:
-    """A [out, in] weight as izh's int4 records (`izh.kernels.cpu.pack_q4`), for batches of <= 8 rows."""
+    """A [out, in] weight as izh's int4 records (`izh.kernels.cpu.pack_q4`), for batches of <= max_rows."""
 
     records: Tensor
     out_features: int
     in_features: int
+    max_rows: int
+    """`cpu_ops.qgemm_max_rows()`: 64 with AMX, else 8."""
 
     def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         """x [M, in] bf16 -> new bf16 [M, out], or into out[:M] (float32 or bfloat16)."""
@@ -100,11 +111,12 @@ class Q4Records:
 
 @dataclass(frozen=True, slots=True)
 class Q8Records:
-    """A [out, in] weight as izh's int8 records (`izh.kernels.cpu.pack_q8`), for batches of <= 8 rows."""
+    """A [out, in] weight as izh's int8 records (`izh.kernels.cpu.pack_q8`), for batches of <= max_rows."""
 
     records: Tensor
     out_features: int
     in_features: int
+    max_rows: int
 
     def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         return cpu_ops.q8_matmul(x, self.records, self.out_features, self.in_features, out)
@@ -175,7 +187,7 @@ def quantize_q4_records(weight: Tensor) -> Q4Records:
     """izh's int4 records of a [out, in] weight (groups of 32, scale and minimum per group)."""
     codes, scale, low = int4_groups(weight, cpu_ops.QGEMM_GROUP)
     out_features, in_features = weight.shape
-    return Q4Records(cpu_ops.pack_q4(codes, scale, low), out_features, in_features)
+    return Q4Records(cpu_ops.pack_q4(codes, scale, low), out_features, in_features, cpu_ops.qgemm_max_rows())
 
 
 def quantize_q8_records(weight: Tensor) -> Q8Records:
@@ -185,9 +197,8 @@ def quantize_q8_records(weight: Tensor) -> Q8Records:
     scale = groups.abs().amax(dim=-1) / 127
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = (groups / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
-    return Q8Records(
-        cpu_ops.pack_q8(codes.reshape(out_features, in_features), scale), out_features, in_features
-    )
+    records = cpu_ops.pack_q8(codes.reshape(out_features, in_features), scale)
+    return Q8Records(records, out_features, in_features, cpu_ops.qgemm_max_rows())
 
 
 def _pack_int4(weight: Tensor) -> PackedWeight:
@@ -255,11 +266,12 @@ def pack_model_weights(
     lm_head_packed = _pack_int8(head_weight)
     model.packed_lm_head = lm_head_packed
     added += lm_head_packed.nbytes
+    records = cpu_ops.qgemm_available()
     logger.info(
         "packed %s weights for batches of <= %d rows (%s kernels): %.1f MB",
         mode,
-        SMALL_BATCH_MAX_ROWS,
-        "izh" if cpu_ops.qgemm_available() else "torch",
+        cpu_ops.qgemm_max_rows() if records else TORCH_PACKED_MAX_ROWS,
+        "izh" if records else "torch",
         added / 1e6,
     )
     return added

@@ -13,7 +13,6 @@ from izh.llm import LLM
 from izh.model.layers import Linear
 from izh.model.loader import checkpoint_quant_types, load_model
 from izh.model.quant import (
-    SMALL_BATCH_MAX_ROWS,
     Int4Weight,
     Int8Weight,
     Q4Records,
@@ -125,13 +124,16 @@ def test_small_batches_use_the_packed_weights_and_stay_close_to_dense(tiny_gguf_
     model, _ = load_model(path, dtype=torch.bfloat16)
     pack_model_weights(model, "int4", checkpoint_quant_types(path), requested="auto")
     linear = model.model.layers[0].mlp.gate_up_proj
+    assert linear.packed is not None
+    rows = linear.packed.max_rows
+    assert rows == (cpu_ops.qgemm_max_rows() if cpu_ops.qgemm_available() else 8)
     torch.manual_seed(1)
-    x = torch.randn(SMALL_BATCH_MAX_ROWS + 1, linear.in_features).bfloat16()
-    small = linear(x[:SMALL_BATCH_MAX_ROWS])
+    x = torch.randn(rows + 1, linear.in_features).bfloat16()
+    small = linear(x[:rows])
     big = linear(x)  # over the threshold: the dense bfloat16 weight
     assert torch.equal(big, torch.nn.functional.linear(x, linear.weight))
-    assert torch.equal(small, linear.packed.matmul(x[:SMALL_BATCH_MAX_ROWS]))
-    assert torch.allclose(small.float(), big[:SMALL_BATCH_MAX_ROWS].float(), rtol=0.05, atol=0.02)
+    assert torch.equal(small, linear.packed.matmul(x[:rows]))
+    assert torch.allclose(small.float(), big[:rows].float(), rtol=0.05, atol=0.02)
 
 
 def test_engine_picks_bfloat16_and_int4_for_a_q4_gguf_and_generates_like_dense(tiny_gguf_factory) -> None:
@@ -178,11 +180,13 @@ def test_record_matmuls_match_the_dense_product_of_what_they_hold() -> None:
     torch.manual_seed(0)
     weight = torch.randn(96, 64) * 0.1
     x = torch.randn(5, 64).bfloat16()
-    for packed, unpack in (
-        (quantize_q4_records(weight.bfloat16()), cpu_ops.unpack_q4),
-        (quantize_q8_records(weight.bfloat16()), cpu_ops.unpack_q8),
+    for packed, unpack, kind in (
+        (quantize_q4_records(weight.bfloat16()), cpu_ops.unpack_q4, 4),
+        (quantize_q8_records(weight.bfloat16()), cpu_ops.unpack_q8, 8),
     ):
         held = unpack(packed.records, 96, 64)
+        if cpu_ops.qgemm_uses_amx(kind, 5):
+            held = held.bfloat16().float()  # the AMX kernel multiplies the weights rounded to bfloat16
         expected = x.float() @ held.t()
         out = packed.matmul(x)
         assert out.dtype == torch.bfloat16 and out.shape == (5, 96)
@@ -198,7 +202,8 @@ def test_fused_decode_stack_gives_the_module_path_tokens(tiny_checkpoint_factory
     runs the small decode steps and gives exactly the modules' tokens and logprobs; Qwen3 (q/k norm)
     keeps the modules."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
-    prompts = [{"prompt_token_ids": [5, 17, 33, 9, 61, 2]}, {"prompt_token_ids": [7, 7, 300, 41]}]
+    # 12 sequences: over 8, so with AMX the stack's matmuls run there, and under 8 through AVX-512.
+    prompts = [{"prompt_token_ids": [5 + i, 17, 33 * i % 500, 9, 61, 2][: 3 + i % 4]} for i in range(12)]
     for kind in ("llama3", "qwen2", "qwen3"):
         llm = LLM(
             tiny_checkpoint_factory(kind),

@@ -519,6 +519,17 @@ def _q4_parts(n: int, k: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
     return codes, scales, mins
 
 
+def _assert_matmul_close(out: Tensor, ref: Tensor) -> None:
+    """bf16 matmul outputs: the reference's value or one ulp off (fp32 sums in another order, one rounding),
+    plus an absolute slack of 1e-5 of the largest output for results near zero, where the fp32 rounding
+    of the sum exceeds a bf16 ulp of the tiny result; at least 99% identical."""
+    assert out.dtype == ref.dtype == BF16 and out.shape == ref.shape
+    diff = (out.float() - ref.float()).abs()
+    ulp = _bf16_ulp(torch.maximum(out.float().abs(), ref.float().abs()))
+    assert bool((diff <= ulp + 1e-5 * ref.float().abs().max()).all()), f"max diff {diff.max().item()}"
+    assert (out == ref).float().mean().item() >= 0.99
+
+
 def _per_input(v: Tensor) -> Tensor:
     return v.to(BF16).float().repeat_interleave(32, dim=1)
 
@@ -551,34 +562,59 @@ def test_record_shapes_are_checked() -> None:
         K.pack_q8(torch.zeros(16, 40, dtype=torch.long), torch.ones(16, 1))
 
 
+# Row counts across both kernels: AVX-512 for few rows, AMX (weights rounded to bf16) for more.
+ROWS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64]
+
+
+def _rows_here() -> list[int]:
+    return [m for m in ROWS if m <= K.qgemm_max_rows()]
+
+
 @needs_qgemm
-@pytest.mark.parametrize("m", range(1, K.QGEMM_MAX_ROWS + 1))
+@pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize(("n", "k"), [(16, 32), (960, 576), (64, 1536)])
 def test_q4_matmul(m: int, n: int, k: int) -> None:
+    if m > K.qgemm_max_rows():
+        pytest.skip(f"{m} rows need AMX here")
     records = K.pack_q4(*_q4_parts(n, k, seed=m))
     x = _randn(m, k, dtype=BF16, seed=10 + m)
+    amx = K.qgemm_uses_amx(4, m)
     # fp32 accumulation in another order, one rounding to bf16: the reference's bf16 or one ulp off.
-    _assert_close_to_ref(K.q4_matmul(x, records, n, k), K.q4_matmul_ref(x, records, n, k))
-    logits = torch.empty(K.QGEMM_MAX_ROWS, n)
+    ref = K.q4_matmul_ref(x, records, n, k, bf16_weights=amx)
+    _assert_matmul_close(K.q4_matmul(x, records, n, k), ref)
+    logits = torch.empty(m + 3, n)
     K.q4_matmul(x, records, n, k, out=logits)
-    ref = K.q4_matmul_ref(x, records, n, k, torch.float32)
+    ref = K.q4_matmul_ref(x, records, n, k, torch.float32, bf16_weights=amx)
     assert torch.allclose(logits[:m], ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
 
 
 @needs_qgemm
-@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 24, 64])
 @pytest.mark.parametrize(("n", "k"), [(16, 32), (512, 576)])
 def test_q8_matmul(m: int, n: int, k: int) -> None:
+    if m > K.qgemm_max_rows():
+        pytest.skip(f"{m} rows need AMX here")
     g = _gen(m)
     records = K.pack_q8(
         torch.randint(-127, 128, (n, k), generator=g), torch.rand(n, k // 32, generator=g) * 0.01
     )
     x = _randn(m, k, dtype=BF16, seed=20 + m)
-    _assert_close_to_ref(K.q8_matmul(x, records, n, k), K.q8_matmul_ref(x, records, n, k))
+    amx = K.qgemm_uses_amx(8, m)
+    _assert_matmul_close(K.q8_matmul(x, records, n, k), K.q8_matmul_ref(x, records, n, k, bf16_weights=amx))
     logits = torch.empty(m, n)
     K.q8_matmul(x, records, n, k, out=logits)
-    ref = K.q8_matmul_ref(x, records, n, k, torch.float32)
+    ref = K.q8_matmul_ref(x, records, n, k, torch.float32, bf16_weights=amx)
     assert torch.allclose(logits, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+
+
+@needs_qgemm
+def test_amx_serves_the_larger_row_counts_where_it_runs() -> None:
+    if K.qgemm_max_rows() == 8:
+        assert not K.qgemm_uses_amx(4, 8)
+        pytest.skip("no AMX here: 8 rows through AVX-512")
+    assert K.qgemm_max_rows() == 64
+    assert not K.qgemm_uses_amx(4, 4) and K.qgemm_uses_amx(4, 5) and K.qgemm_uses_amx(4, 64)
+    assert not K.qgemm_uses_amx(8, 8) and K.qgemm_uses_amx(8, 9) and not K.qgemm_uses_amx(8, 65)
 
 
 @needs_qgemm
@@ -590,7 +626,7 @@ def test_q4_matmul_reads_strided_rows() -> None:
 
 
 def test_record_matmuls_fall_back_to_the_reference() -> None:
-    """float32 input, more than 8 rows: the kernel does not apply and the reference answers."""
+    """float32 input, more rows than the kernels take: the reference answers."""
     records = K.pack_q4(*_q4_parts(16, 32, seed=5))
-    for x in (_randn(2, 32, seed=6), _randn(K.QGEMM_MAX_ROWS + 1, 32, dtype=BF16, seed=7)):
+    for x in (_randn(2, 32, seed=6), _randn(K.qgemm_max_rows() + 1, 32, dtype=BF16, seed=7)):
         assert torch.equal(K.q4_matmul(x, records, 16, 32), K.q4_matmul_ref(x, records, 16, 32))

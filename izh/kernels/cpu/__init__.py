@@ -9,7 +9,7 @@ and the layout is one the kernel takes; otherwise the call falls through to the 
 function works everywhere.
 
 With AVX512-BW and AVX512-BF16 (`qgemm_available()`), the library also has weight-only matmuls for 1..8
-rows over weights packed as "records" (`pack_q4` / `pack_q8`, int4 and int8 in groups of 32, defined by
+rows (1..64 where AMX runs: `qgemm_max_rows()`) over weights packed as "records" (`pack_q4` / `pack_q8`, int4 and int8 in groups of 32, defined by
 `unpack_q4` / `unpack_q8` and `q4_matmul_ref` / `q8_matmul_ref`), and `decode_stack`, which runs a whole
 decode step through every decoder layer with those matmuls and the kernels above in one call
 (izh.model.fused_stack).
@@ -90,6 +90,8 @@ __all__ = [
     "q8_matmul",
     "q8_matmul_ref",
     "qgemm_available",
+    "qgemm_max_rows",
+    "qgemm_uses_amx",
     "rms_norm",
     "rms_norm_ref",
     "rotary_",
@@ -372,7 +374,11 @@ def _load_library(cache_dir: Path | str | None = None) -> dict[torch.dtype, _Ker
             stack.restype = _INT
             stack.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _P, _P, _P, _P]
             stack.argtypes += [_P, _P, _I64, _P, _I64, _I64, _INT]
-            _qgemm.extend((lib.izh_q4_gemm, lib.izh_q8_gemm, stack))
+            lib.izh_qgemm_max_rows.restype = _INT
+            lib.izh_qgemm_uses_amx.restype = _INT
+            lib.izh_qgemm_uses_amx.argtypes = [_INT, _I64]
+            _qgemm.extend((lib.izh_q4_gemm, lib.izh_q8_gemm, stack, lib.izh_qgemm_uses_amx))
+            _qgemm_rows.append(int(lib.izh_qgemm_max_rows()))
         return kernels
     except (OSError, AttributeError) as exc:
         logger.warning(
@@ -384,7 +390,8 @@ def _load_library(cache_dir: Path | str | None = None) -> dict[torch.dtype, _Ker
 _lock = threading.Lock()
 _resolved = False
 _kernels: dict[torch.dtype, _Kernels] = {}  # filled once, when the library loads
-_qgemm: list[Any] = []  # [izh_q4_gemm, izh_q8_gemm, izh_decode_stack_bf16] when the CPU has AVX512-BF16
+_qgemm: list[Any] = []  # [q4, q8, decode stack, uses_amx] C functions when the CPU has AVX512-BF16
+_qgemm_rows: list[int] = []  # [izh_qgemm_max_rows()]: 64 with AMX, else 8
 
 
 def _resolve() -> dict[torch.dtype, _Kernels]:
@@ -413,6 +420,18 @@ def qgemm_available() -> bool:
     if not _resolved:
         _resolve()
     return bool(_qgemm)
+
+
+def qgemm_max_rows() -> int:
+    """The most rows the record matmuls (and `decode_stack`) take here: 64 where the CPU and the OS allow
+    AMX, 8 with AVX-512 alone, 0 without the kernels."""
+    return _qgemm_rows[0] if qgemm_available() else 0
+
+
+def qgemm_uses_amx(kind: int, rows: int) -> bool:
+    """Whether a matmul of `rows` rows over int4 (kind 4) or int8 (kind 8) records runs through AMX, which
+    rounds the dequantized weights to bfloat16 (see `q4_matmul_ref`)."""
+    return qgemm_available() and bool(_qgemm[3](int(kind == 8), rows))
 
 
 # --- entry points -----------------------------------------------------------------------------------
@@ -642,13 +661,12 @@ def paged_decode_attention(
     return out
 
 
-# --- weight-only quantized matmuls (1..8 rows) --------------------------------------------------------
+# --- weight-only quantized matmuls (1..qgemm_max_rows() rows) --------------------------------------------------------
 #
 # Records as izh_cpu.c lays them out (see the comment there): weights in the order the kernel streams
 # them, 16 output rows at a time, one fixed-size record per group of 32 inputs. `pack_*` builds them from
 # codes and scales, `unpack_*` turns them back into a float weight (the reference), `q*_matmul` runs them.
 
-QGEMM_MAX_ROWS = 8
 Q4_RECORD_BYTES = 320
 Q8_RECORD_BYTES = 544
 QGEMM_GROUP = 32
@@ -717,18 +735,42 @@ def unpack_q8(records: Tensor, n: int, k: int) -> Tensor:
     return codes * _rows_from_bf16(r[..., 512:], n, groups).repeat_interleave(QGEMM_GROUP, 1)
 
 
-def q4_matmul_ref(x: Tensor, records: Tensor, n: int, k: int, out_dtype: torch.dtype | None = None) -> Tensor:
-    """x [M, K] @ W^T in float32, rounded once to `out_dtype` (default x's dtype)."""
-    return (x.float() @ unpack_q4(records, n, k).T).to(out_dtype or x.dtype)
+def q4_matmul_ref(
+    x: Tensor,
+    records: Tensor,
+    n: int,
+    k: int,
+    out_dtype: torch.dtype | None = None,
+    *,
+    bf16_weights: bool = False,
+) -> Tensor:
+    """x [M, K] @ W^T in float32, rounded once to `out_dtype` (default x's dtype). `bf16_weights` rounds W
+    to bfloat16 first, as the AMX kernel does (`qgemm_uses_amx`)."""
+    w = unpack_q4(records, n, k)
+    if bf16_weights:
+        w = w.bfloat16().float()
+    return (x.float() @ w.T).to(out_dtype or x.dtype)
 
 
-def q8_matmul_ref(x: Tensor, records: Tensor, n: int, k: int, out_dtype: torch.dtype | None = None) -> Tensor:
+def q8_matmul_ref(
+    x: Tensor,
+    records: Tensor,
+    n: int,
+    k: int,
+    out_dtype: torch.dtype | None = None,
+    *,
+    bf16_weights: bool = False,
+) -> Tensor:
     """As `q4_matmul_ref`, for int8 records."""
-    return (x.float() @ unpack_q8(records, n, k).T).to(out_dtype or x.dtype)
+    w = unpack_q8(records, n, k)
+    if bf16_weights:
+        w = w.bfloat16().float()
+    return (x.float() @ w.T).to(out_dtype or x.dtype)
 
 
 def _qgemm_call(which: int, x: Tensor, records: Tensor, n: int, k: int, out: Tensor | None) -> Tensor | None:
-    """Run the C kernel when it applies (None otherwise): x bf16 [1..8, K] with unit inner stride; out
+    """Run the C kernel when it applies (None otherwise): x bf16 [1..qgemm_max_rows(), K] with unit inner
+    stride; out
     None (a new bf16 [M, N]) or a float32 / bfloat16 [>= M, N] tensor with unit inner stride.
 
     Kept lean (~5 us with the ctypes call): it runs once per linear in small decode steps that do not
@@ -738,7 +780,7 @@ def _qgemm_call(which: int, x: Tensor, records: Tensor, n: int, k: int, out: Ten
         return None
     m, x_cols = x.shape
     x_strides = x.stride()
-    if m < 1 or m > QGEMM_MAX_ROWS or x_cols != k or x_strides[1] != 1:
+    if m < 1 or m > _qgemm_rows[0] or x_cols != k or x_strides[1] != 1:
         return None
     result = out
     if out is None:
@@ -772,8 +814,9 @@ def _qgemm_call(which: int, x: Tensor, records: Tensor, n: int, k: int, out: Ten
 
 
 def q4_matmul(x: Tensor, records: Tensor, n: int, k: int, out: Tensor | None = None) -> Tensor:
-    """`q4_matmul_ref(x, ...)` for x [M <= 8, K]: a new bf16 [M, N], or written into out[:M] (float32 or
-    bfloat16, e.g. a logits buffer) and returned. records: `pack_q4`'s, contiguous."""
+    """`q4_matmul_ref(x, ..., bf16_weights=qgemm_uses_amx(4, M))` for x [M <= qgemm_max_rows(), K]: a new
+    bf16 [M, N], or written into out[:M] (float32 or bfloat16, e.g. a logits buffer) and returned.
+    records: `pack_q4`'s, contiguous. Other inputs get the reference."""
     got = _qgemm_call(0, x, records, n, k, out)
     if got is not None:
         return got
@@ -782,7 +825,7 @@ def q4_matmul(x: Tensor, records: Tensor, n: int, k: int, out: Tensor | None = N
 
 
 def q8_matmul(x: Tensor, records: Tensor, n: int, k: int, out: Tensor | None = None) -> Tensor:
-    """As `q4_matmul`, for `pack_q8` records."""
+    """As `q4_matmul`, for `pack_q8` records (AMX from `qgemm_uses_amx(8, M)`)."""
     got = _qgemm_call(1, x, records, n, k, out)
     if got is not None:
         return got
@@ -809,7 +852,7 @@ def decode_stack(
     block_tables: Tensor,
     seq_lens: Tensor,
 ) -> Tensor:
-    """Every decoder layer plus the final norm for M <= 8 single-token decodes, in one C call.
+    """Every decoder layer plus the final norm for M <= qgemm_max_rows() single-token decodes, in one C call.
 
     table: int64 [layers, STACK_FIELDS] (`izh.model.fused_stack` builds it); dims: (hidden, heads, kv heads,
     head_dim, intermediate); x: bf16 [M, hidden] embeddings, overwritten (it carries the residual stream);
