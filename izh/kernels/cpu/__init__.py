@@ -21,7 +21,8 @@ adds in the order of torch's CPU sum kernel (the `SumKernel.cpp` cascade: 8-lane
 4 levels; stable across torch releases, checked by the tests; torch may split a single row longer than
 32k elements across threads, which this does not copy). `silu_mul` uses a polynomial `exp` (torch uses
 Sleef's), so an element may rarely differ by one ulp; `paged_decode_attention` works in fp32 with its own
-summation order and rounds once at the end.
+summation order and rounds once at the end (bf16 scores come from vdpbf16ps where the CPU has it: exact
+products, fp32 sums).
 
 Build: `izh_cpu.c` (plain C11 + OpenMP, no torch headers) is compiled on first use with
 `gcc -O3 -march=native -std=c11 -fPIC -shared -fopenmp -ffp-contract=off -fno-math-errno
@@ -48,7 +49,8 @@ the kernels still work but their threads compete with torch's.
 Threads: the kernels take `torch.get_num_threads()` and stay on the calling thread when the work is
 small (row kernels under 64k elements, attention under ~100 us of work; a single decode row always is):
 waking a second thread costs more than it saves there, and on a busy machine it can stall. Attention runs
-one (sequence, KV head) pair per OpenMP task. ctypes releases the GIL during a call.
+one (sequence, KV head) pair per work item, a sequence's KV heads handed out together (its blocks are
+read by one thread). ctypes releases the GIL during a call.
 """
 
 from __future__ import annotations

@@ -18,6 +18,13 @@
 #include <omp.h>
 #include <string.h>
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
 #define INLINE static inline __attribute__((always_inline))
 /* The library is built with -ffp-contract=off (rotary must round like torch); attention, which has no
  * bit-exact reference, lets the compiler fuse multiply-adds. Correct either way; only speed depends on it. */
@@ -285,6 +292,7 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
 #define MAX_NC 16 /* D <= 512 */
+#define ATTN_DP_MAX_GROUP 8 /* query heads per KV head on the vdpbf16ps score path */
 
 INLINE void ld32(const void *p, int64_t c, const int bf, v16f *a, v16f *b) {
     if (bf) {
@@ -362,6 +370,20 @@ INLINE int64_t row_ptrs(const void **rows, const void *cache, const int32_t *blo
     return m;
 }
 
+/* Prefetch into L2 the rows of positions p0 .. p0+15 (KV head g), well ahead of row_ptrs's L1 prefetch:
+ * one chunk ahead is too close to hide DRAM latency with the few L1 fill buffers a core has. */
+#define ATTN_L2_AHEAD 128
+INLINE void prefetch_rows_l2(const void *cache, const int32_t *blocks, int64_t p0, int64_t L, int64_t block_size,
+                             int64_t kvh, int64_t g, int64_t D, const int bf) {
+    const int64_t end = p0 + 16 < L ? p0 + 16 : L;
+    const int64_t row_bytes = D * (bf ? 2 : 4);
+    for (int64_t p = p0; p < end; p++) {
+        const int64_t b = p / block_size, o = p - b * block_size;
+        const char *row = (const char *)off(cache, (((int64_t)blocks[b] * block_size + o) * kvh + g) * D, bf);
+        for (int64_t x = 0; x < row_bytes; x += 64) __builtin_prefetch(row + x, 0, 2);
+    }
+}
+
 INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q_ts, int64_t q_hs,
                                   const void *kc, const void *vc, int64_t block_size, int64_t kvh,
                                   const int32_t *bt, int64_t max_blocks, int64_t L, void *out, int64_t H,
@@ -379,9 +401,50 @@ INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q
         return;
     }
     int64_t m = row_ptrs(rows[0], kc, blocks, 0, L, block_size, kvh, g, D, bf);
+#if HAVE_DPBF16
+    /* bf16 rows of whole 32-element chunks: q . k straight from bf16 by vdpbf16ps (exact products, fp32
+     * sums), each K row loaded once for all the query heads sharing it. */
+    if (bf && D % 32 == 0 && group <= ATTN_DP_MAX_GROUP) {
+        __m512bh qv[ATTN_DP_MAX_GROUP][MAX_NC];
+        for (int64_t hh = 0; hh < group; hh++) {
+            const uint16_t *qp = (const uint16_t *)q + i * q_ts + (g * group + hh) * q_hs;
+            for (int64_t c = 0; c < NC; c++) qv[hh][c] = (__m512bh)_mm512_loadu_si512(qp + 32 * c);
+        }
+        v16f a[ATTN_DP_MAX_GROUP][16];
+        for (int64_t p0 = 0, cur = 0; p0 < L; p0 += 16, cur ^= 1) {
+            const void **rk = rows[cur];
+            const int64_t m_next = row_ptrs(rows[cur ^ 1], kc, blocks, p0 + 16, L, block_size, kvh, g, D, bf);
+            prefetch_rows_l2(kc, blocks, p0 + ATTN_L2_AHEAD, L, block_size, kvh, g, D, bf);
+            for (int64_t o = 0; o < 16; o++) {
+                if (o >= m) {
+                    for (int64_t hh = 0; hh < group; hh++) a[hh][o] = (v16f){0};
+                    continue;
+                }
+                __m512bh kv[MAX_NC];
+                for (int64_t c = 0; c < NC; c++)
+                    kv[c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)rk[o] + 32 * c);
+                for (int64_t hh = 0; hh < group; hh++) {
+                    __m512 x = _mm512_setzero_ps();
+                    for (int64_t c = 0; c < NC; c++) x = _mm512_dpbf16_ps(x, qv[hh][c], kv[c]);
+                    a[hh][o] = (v16f)x;
+                }
+            }
+            for (int64_t hh = 0; hh < group; hh++) {
+                v16f sums = sum16(a[hh]) * scale;
+                float *sh = sc + hh * L + p0;
+                if (m == 16)
+                    memcpy(sh, &sums, sizeof sums);
+                else
+                    for (int64_t o = 0; o < m; o++) sh[o] = sums[o];
+            }
+            m = m_next;
+        }
+    } else
+#endif
     for (int64_t p0 = 0, cur = 0; p0 < L; p0 += 16, cur ^= 1) {
         const void **rk = rows[cur];
         const int64_t m_next = row_ptrs(rows[cur ^ 1], kc, blocks, p0 + 16, L, block_size, kvh, g, D, bf);
+        prefetch_rows_l2(kc, blocks, p0 + ATTN_L2_AHEAD, L, block_size, kvh, g, D, bf);
         for (int64_t hh = 0; hh < group; hh++) {
             const void *qp = off(q, i * q_ts + (g * group + hh) * q_hs, bf);
             v16f qa[MAX_NC], qb[MAX_NC], a[16];
@@ -410,6 +473,7 @@ INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q
     for (int64_t p0 = 0, cur = 0; p0 < L; p0 += 16, cur ^= 1) {
         const void **rv = rows[cur];
         const int64_t m_next = row_ptrs(rows[cur ^ 1], vc, blocks, p0 + 16, L, block_size, kvh, g, D, bf);
+        prefetch_rows_l2(vc, blocks, p0 + ATTN_L2_AHEAD, L, block_size, kvh, g, D, bf);
         for (int64_t hh = 0; hh < group; hh++) {
             /* two accumulator sets (even / odd positions) halve the FMA dependency chains */
             v16f aa[2][MAX_NC], ab[2][MAX_NC];
@@ -545,7 +609,7 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
             _Pragma("omp parallel num_threads(nt) reduction(| : failed)") {                                  \
                 float *buf = (float *)malloc(scratch);                                                       \
                 failed |= buf == NULL;                                                                       \
-                _Pragma("omp for schedule(dynamic, 1)") for (int64_t it = 0; it < items; it++) if (buf)      \
+                _Pragma("omp for schedule(dynamic, kvh)") for (int64_t it = 0; it < items; it++) if (buf)      \
                     attn_item_##SFX(it, q, q_ts, q_hs, kc, vc, block_size, kvh, block_tables, max_blocks,    \
                                     seq_lens, out, H, d, scale, buf);                                        \
                 free(buf);                                                                                   \
