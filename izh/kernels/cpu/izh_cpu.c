@@ -1057,5 +1057,54 @@ int izh_q8_gemm(void) { return -2; }
 int izh_decode_stack_bf16(void) { return -2; }
 #endif
 
+/* ------------------------------------------------------------------------------------------------ */
+/* Greedy decoding: per fp32 row, the index of the first maximum, a NaN counting as the maximum (the first
+ * NaN wins), as torch.max(dim=-1).indices on a CPU. Rows in parallel when there are several. */
+static int64_t argmax_row(const float *x, int64_t n) {
+    int64_t j = 0, best = 0;
+    float m = -INFINITY;
+#if HAVE_DPBF16
+    if (n >= 16) {
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        __m512i vidx = _mm512_setzero_si512(), cur = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i step = _mm512_set1_epi32(16);
+        __mmask16 nan = 0;
+        for (; j + 16 <= n; j += 16) {
+            const __m512 v = _mm512_loadu_ps(x + j);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
+            vmax = _mm512_mask_mov_ps(vmax, gt, v);
+            vidx = _mm512_mask_mov_epi32(vidx, gt, cur);
+            cur = _mm512_add_epi32(cur, step);
+        }
+        if (nan) {
+            j = 0; /* the scalar loop below finds the first NaN */
+        } else {
+            m = _mm512_reduce_max_ps(vmax);
+            const __mmask16 eq = _mm512_cmp_ps_mask(vmax, _mm512_set1_ps(m), _CMP_EQ_OQ);
+            best = _mm512_mask_reduce_min_epi32(eq, vidx);
+        }
+    }
+#endif
+    for (; j < n; j++) {
+        if (x[j] != x[j]) return j;
+        if (x[j] > m) {
+            m = x[j];
+            best = j;
+        }
+    }
+    return best;
+}
+
+/* x: fp32 [rows, n] with row stride xs; out: int64 [rows]. */
+void izh_argmax_rows_f32(const float *x, int64_t xs, int64_t rows, int64_t n, int64_t *out, int nt) {
+    if (nt <= 1 || rows * n < PAR_MIN_ELEMS || rows < 2) {
+        for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * xs, n);
+    } else {
+        _Pragma("omp parallel for num_threads(nt) schedule(static)") for (int64_t r = 0; r < rows; r++) out[r] =
+            argmax_row(x + r * xs, n);
+    }
+}
+
 /* Lets the loader check it got the library it built. */
-int izh_cpu_abi_version(void) { return 2; }
+int izh_cpu_abi_version(void) { return 3; }
