@@ -274,3 +274,37 @@ def test_fused_decode_stack_rejects_a_slot_outside_the_cache(tiny_checkpoint_fac
     with torch.inference_mode(), pytest.raises(IndexError, match="slot_mapping points past the end"):
         model(torch.tensor([5]), torch.tensor([0]), metadata)
     assert all(torch.equal(a, b) for a, b in zip(caches_before, runner.kv_caches, strict=True))
+
+
+def test_fused_decode_stack_chunks_large_steps_by_sequence(tiny_checkpoint_factory, monkeypatch) -> None:
+    """A step over `qgemm_max_rows()` decodes runs the stack on consecutive chunks of sequences: with AMX
+    (rows independent of the batch) that gives exactly the one-call tokens and logprobs."""
+    if cpu_ops.qgemm_max_rows() < 16:
+        pytest.skip("needs AMX (16 decodes in one stack call)")
+    from izh.model import fused_stack
+
+    llm = LLM(
+        tiny_checkpoint_factory("llama"),
+        dtype="bfloat16",
+        quantization="int4",
+        kv_cache_memory_bytes=8 << 20,
+        show_progress=False,
+    )
+    stack = llm.engine_core.runner.model.fused_stack
+    assert stack is not None
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": [3 + i, 40, 7 * i % 500, 11]} for i in range(16)]
+    calls: list[int] = []
+    decode_stack = cpu_ops.decode_stack
+    monkeypatch.setattr(cpu_ops, "decode_stack", lambda *a: calls.append(a[4].shape[0]) or decode_stack(*a))
+    whole = llm.generate(prompts, params)
+    assert calls == [16] * 5
+    calls.clear()
+    monkeypatch.setattr(fused_stack.cpu_ops, "qgemm_max_rows", lambda: 8)
+    assert stack.max_tokens == 8 * fused_stack.MAX_CHUNKS
+    llm.engine_core.reset_prefix_cache()
+    chunked = llm.generate(prompts, params)
+    assert calls == [8, 8] * 5
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
