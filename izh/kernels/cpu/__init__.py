@@ -9,10 +9,10 @@ and the layout is one the kernel takes; otherwise the call falls through to the 
 function works everywhere.
 
 With AVX512-BW and AVX512-BF16 (`qgemm_available()`), the library also has weight-only matmuls for 1..8
-rows (1..64 where AMX runs: `qgemm_max_rows()`) over weights packed as "records" (`pack_q4` / `pack_q8`, int4 and int8 in groups of 32, defined by
-`unpack_q4` / `unpack_q8` and `q4_matmul_ref` / `q8_matmul_ref`), and `decode_stack`, which runs a whole
-decode step through every decoder layer with those matmuls and the kernels above in one call
-(izh.model.fused_stack).
+rows (1..64 where AMX runs: `qgemm_max_rows()`) over weights packed as "records" (`pack_q4` / `pack_q8`:
+int4 and int8 in groups of 32, defined by `unpack_q4` / `unpack_q8` and `q4_matmul_ref` /
+`q8_matmul_ref`), `decode_stack`, which runs a whole decode step through every decoder layer with those
+matmuls and the kernels above in one call (izh.model.fused_stack), and `argmax_rows` for greedy rows.
 
 Rounding follows the references op for op: every elementwise op of a reference rounds its fp32 result to
 bf16 (round to nearest even, as `c10::BFloat16`), and the C code rounds at the same points. `rotary_`,
@@ -27,10 +27,11 @@ products, fp32 sums).
 Build: `izh_cpu.c` (plain C11 + OpenMP, no torch headers) is compiled on first use with
 `gcc -O3 -march=native -std=c11 -fPIC -shared -fopenmp -ffp-contract=off -fno-math-errno
 -mprefer-vector-width=512` (about 3.5 s on a 2-core Xeon, most of it the attention kernel's copies for
-head sizes 64 and 128 and the matmuls' copies for each row count) and loaded with ctypes. The library is cached under `$IZH_CACHE_DIR/kernels/`
-(else `~/.cache/izh/kernels/`), named by a hash of the source, the command, `gcc --version`, the machine
-and the CPU's flags (`-march=native` code must not be reused on another CPU); it is built into a
-temporary file in that folder and moved into place with `os.replace`, so concurrent builders are safe.
+head sizes 64 and 128 and the matmuls' copies for each row count) and loaded with ctypes. The library is
+cached under `$IZH_CACHE_DIR/kernels/` (else `~/.cache/izh/kernels/`), named by a hash of the source, the
+command, `gcc --version`, the machine and the CPU's flags (`-march=native` code must not be reused on
+another CPU); it is built into a temporary file in that folder and moved into place with `os.replace`,
+so concurrent builders are safe.
 `IZH_CPU_KERNELS=0` turns the C kernels off (no compile). A missing compiler or a failed build logs one
 warning and leaves the references in charge; `available()` never raises.
 
@@ -669,7 +670,7 @@ def paged_decode_attention(
     return out
 
 
-# --- weight-only quantized matmuls (1..qgemm_max_rows() rows) --------------------------------------------------------
+# --- weight-only quantized matmuls (1..qgemm_max_rows() rows) ------------------------------------------
 #
 # Records as izh_cpu.c lays them out (see the comment there): weights in the order the kernel streams
 # them, 16 output rows at a time, one fixed-size record per group of 32 inputs. `pack_*` builds them from

@@ -623,7 +623,8 @@ DEFINE_ATTENTION(bf16, 1)
 
 
 /* ------------------------------------------------------------------------------------------------ */
-/* Weight-only quantized matmuls for small batches: out[M, N] = x[M, K] (bf16) @ W^T, 1 <= M <= 8.
+/* Weight-only quantized matmuls for small batches: out[M, N] = x[M, K] (bf16) @ W^T, 1 <= M <= 8 through
+ * AVX-512 here (AMX, further down, takes 5..64 rows where it runs; izh_q4_gemm / izh_q8_gemm choose).
  * Decode on a CPU is bound by streaming the weights, so the weights are laid out in the order they are
  * read: one contiguous run per 16 output rows ("tile"), group after group (32 inputs), each group a
  * fixed-size record. Each AVX-512 lane accumulates one output row; threads split the tiles, so every
@@ -652,7 +653,8 @@ INLINE void prefetch_record(const uint8_t *rec, int64_t bytes) {
 }
 
 INLINE __m512 bf16x16_to_ps(const void *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
 INLINE void store_row16(void *out, int64_t idx, __m512 v, const int out_f32) {
@@ -714,7 +716,8 @@ INLINE void q8_tile(const int M, const float *xf, int64_t K, const uint8_t *rec,
         for (int m = 0; m < M; m++)
             for (int c = 0; c < NC; c++) t[m][c] = _mm512_setzero_ps();
         for (int k = 0; k < 32; k++) {
-            const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(rec + 16 * k))));
+            const __m128i codes = _mm_loadu_si128((const __m128i *)(rec + 16 * k));
+            const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
             const int c = k % NC;
             for (int m = 0; m < M; m++)
                 t[m][c] = _mm512_fmadd_ps(w, _mm512_set1_ps(xf[m * K + g * 32 + k]), t[m][c]);
