@@ -1,12 +1,14 @@
-"""What sampling settings cost per decode step, side by side with the algorithms they replaced.
+"""What sampling settings cost per decode step, side by side with the implementations they replaced.
 
     python bench/sampling_cost.py --batch 32 --output-len 48
 
 SmolLM2 (default settings), `--batch` requests of 128 random prompt tokens decoding together; the median
-decode step for greedy, temperature, top-p, top-k and min-p requests. Each random setting also runs with
-the sampler's previous algorithms patched back in (the exponential race: one Exp(1) draw per vocabulary
-entry; top-p by a full sort of the vocabulary), in the same process, so the ratio is measured on the same
-machine state. Writes one JSON under bench_results/.
+decode step for greedy, temperature, top-p, top-k and min-p requests. Each setting also runs with the
+previous implementation patched back in, in the same process, so the ratio is measured on the same machine
+state: greedy through torch.max instead of the C argmax, and random rows through torch's softmax and a
+float64 cumulative sum (`izh.kernels.cpu.sample_rows_ref`) instead of the one-pass C sampler. (The
+recorded run sampling_cost-20261129-133035 compared, with the code of its day, against the exponential
+race and a full-vocabulary sort for top-p.) Writes one JSON under bench_results/.
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -37,34 +37,17 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-def _exponential_race(self: Any, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        noise.exponential_(generator=self.generator)
-    for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)
-
-
-def _top_p_full_sort(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    from izh.engine import sampler
-
-    active = (top_p < 1.0).unsqueeze(1)
-    return torch.where(active, sampler._apply_top_p_sorted(logits, top_p), logits)
-
-
 @contextmanager
 def previous_algorithms() -> Iterator[None]:
-    from izh.engine import sampler
+    from izh.kernels import cpu as cpu_ops
 
-    saved = (sampler.Sampler._inverse_cdf, sampler._apply_top_p)
-    sampler.Sampler._inverse_cdf = _exponential_race  # type: ignore[method-assign]
-    sampler._apply_top_p = _top_p_full_sort
+    saved = (cpu_ops.argmax_rows, cpu_ops.sample_rows)
+    cpu_ops.argmax_rows = cpu_ops.argmax_rows_ref
+    cpu_ops.sample_rows = cpu_ops.sample_rows_ref
     try:
         yield
     finally:
-        sampler.Sampler._inverse_cdf, sampler._apply_top_p = saved  # type: ignore[method-assign]
+        cpu_ops.argmax_rows, cpu_ops.sample_rows = saved
 
 
 def median_decode_step_ms(llm: Any, prompts: list[list[int]], params: Any) -> float:
@@ -98,9 +81,8 @@ def main() -> None:
     for name, fields in SETTINGS.items():
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, seed=None, **fields)
         row: dict[str, Any] = {"setting": name, "step_ms": median_decode_step_ms(llm, prompts, params)}
-        if name != "greedy":
-            with previous_algorithms():
-                row["previous_step_ms"] = median_decode_step_ms(llm, prompts, params)
+        with previous_algorithms():
+            row["previous_step_ms"] = median_decode_step_ms(llm, prompts, params)
         results.append(row)
         print(json.dumps(row), flush=True)
     write_record(

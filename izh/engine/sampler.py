@@ -329,33 +329,35 @@ class Sampler:
         assert metadata.temperature is not None
         logits = logits.div_(metadata.temperature.unsqueeze(1))
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.max_top_k, metadata.top_p)
-        probs = logits.softmax(dim=-1)  # [num_rows, vocab_size]
-        if metadata.min_p is not None:
-            probs = apply_min_p(probs, metadata.min_p)
-        sampled = self._inverse_cdf(probs, metadata.generators)
+        uniform = self._uniforms(logits.shape[0], metadata.generators, logits.device)
+        if metadata.min_p is None:
+            # softmax + inverse CDF in one C pass on a CPU (izh.kernels.cpu.sample_rows_ref defines it).
+            sampled = cpu_ops.sample_rows(logits, uniform)
+        else:
+            probs = apply_min_p(logits.softmax(dim=-1), metadata.min_p)
+            sampled = cpu_ops.inverse_cdf_ref(probs, uniform)
         if greedy is None:
             return sampled
         assert metadata.greedy_mask is not None
         return torch.where(metadata.greedy_mask, greedy, sampled)
 
-    def _inverse_cdf(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-        """One uniform u per row; the token is the first whose cumulative probability exceeds u times the
-        row's total (rows need not sum to 1: min_p zeroes some). A zero-probability token adds nothing to
-        the cumulative sum, so it is never picked.
+    def _uniforms(
+        self, num_rows: int, generators: dict[int, torch.Generator], device: torch.device
+    ) -> torch.Tensor:
+        """One uniform u in [0, 1) per row (float64): from the row's own generator for seeded requests,
+        else from the engine's. The token is then the first whose cumulative probability exceeds u times
+        the row's total (rows need not sum to 1: min_p zeroes some; a zero-probability token adds nothing
+        to the cumulative sum, so it is never picked).
 
         One random number per row, not one per vocabulary entry (the exponential race vLLM uses on GPU
         draws 49k per row: ~30 ms a step at batch 32 on a CPU, against ~1 ms for this).
         """
-        num_rows = probs.shape[0]
-        uniform = torch.empty(num_rows, dtype=torch.float64, device=probs.device)
+        uniform = torch.empty(num_rows, dtype=torch.float64, device=device)
         if len(generators) < num_rows:
             uniform.uniform_(generator=self.generator)
         for row, generator in generators.items():
-            uniform[row] = torch.rand((), dtype=torch.float64, device=probs.device, generator=generator)
-        cdf = probs.to(torch.float64).cumsum_(dim=-1)
-        targets = (uniform * cdf[:, -1]).unsqueeze(1)
-        sampled = torch.searchsorted(cdf, targets, right=True).squeeze(1)
-        return sampled.clamp_(max=probs.shape[1] - 1)
+            uniform[row] = torch.rand((), dtype=torch.float64, device=device, generator=generator)
+        return uniform
 
     @staticmethod
     def compute_prompt_logprobs(

@@ -657,3 +657,38 @@ def test_argmax_rows_first_maximum_infinities_and_nan() -> None:
     strided = torch.zeros(3, 64)[:, :40]  # a row stride: still one pass per row
     strided[1, 17] = 1.0
     assert K.argmax_rows(strided).tolist() == [0, 17, 0]
+
+
+@needs_c
+@pytest.mark.parametrize(("rows", "n"), [(1, 1), (3, 7), (4, 300), (33, 49152)])
+def test_sample_rows_draws_where_the_reference_does(rows: int, n: int) -> None:
+    """Same rule as softmax + float64 inverse CDF; a draw may differ only within rounding of a token
+    boundary of the reference's CDF."""
+    logits = _randn(rows, n, seed=rows + n, scale=3.0)
+    uniform = torch.rand(rows, dtype=torch.float64, generator=_gen(n))
+    got = K.sample_rows(logits, uniform)
+    ref = K.sample_rows_ref(logits, uniform)
+    cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)
+    targets = uniform * cdf[:, -1]
+    for r in torch.nonzero(got != ref).flatten().tolist():
+        boundary = cdf[r, min(int(got[r]), int(ref[r]))]
+        assert abs(float(boundary - targets[r])) < 1e-6, (r, int(got[r]), int(ref[r]))
+    assert (got == ref).float().mean().item() >= 0.9
+
+
+@needs_c
+def test_sample_rows_edges() -> None:
+    logits = torch.full((5, 40), -torch.inf)
+    logits[0, 17] = 0.0  # one allowed token: always it
+    logits[1, [3, 30]] = 0.0  # two equal ones: u < 0.5 -> the first, else the second
+    logits[2, [3, 30]] = 0.0
+    logits[3, 39] = 5.0  # the last token
+    uniform = torch.tensor([0.99, 0.49, 0.51, 0.7, 0.3], dtype=torch.float64)
+    # row 4: all -inf -> token 0
+    assert K.sample_rows(logits, uniform).tolist() == [17, 3, 30, 39, 0]
+    # u just below 1 with one token of tiny weight at the end: still never a zero-probability token
+    tail = torch.full((1, 64), -torch.inf)
+    tail[0, 10] = 0.0
+    tail[0, 50] = -30.0
+    one = torch.tensor([1 - 2**-52], dtype=torch.float64)
+    assert K.sample_rows(tail, one).item() in (10, 50)

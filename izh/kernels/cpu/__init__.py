@@ -86,6 +86,7 @@ __all__ = [
     "build",
     "decode_stack",
     "default_cache_dir",
+    "inverse_cdf_ref",
     "pack_q4",
     "pack_q8",
     "paged_decode_attention",
@@ -101,6 +102,8 @@ __all__ = [
     "rms_norm_ref",
     "rotary_",
     "rotary_ref_",
+    "sample_rows",
+    "sample_rows_ref",
     "silu_mul",
     "silu_mul_ref",
     "unpack_q4",
@@ -110,7 +113,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("izh_cpu.c")
-_ABI_VERSION = 3  # izh_cpu_abi_version() in the C file
+_ABI_VERSION = 4  # izh_cpu_abi_version() in the C file
 _CC = "gcc"
 _CFLAGS = (
     "-O3",
@@ -371,7 +374,9 @@ def _load_library(cache_dir: Path | str | None = None) -> dict[torch.dtype, _Ker
         kernels = {torch.float32: _bind(lib, "f32"), torch.bfloat16: _bind(lib, "bf16")}
         lib.izh_argmax_rows_f32.restype = None
         lib.izh_argmax_rows_f32.argtypes = [_P, _I64, _I64, _I64, _P, _INT]
-        _argmax.append(lib.izh_argmax_rows_f32)
+        lib.izh_sample_rows_f32.restype = _INT
+        lib.izh_sample_rows_f32.argtypes = [_P, _I64, _I64, _I64, _P, _P, _INT]
+        _argmax.extend((lib.izh_argmax_rows_f32, lib.izh_sample_rows_f32))
         lib.izh_qgemm_available.restype = ctypes.c_int
         if lib.izh_qgemm_available():
             for name in ("izh_q4_gemm", "izh_q8_gemm"):
@@ -400,7 +405,7 @@ _resolved = False
 _kernels: dict[torch.dtype, _Kernels] = {}  # filled once, when the library loads
 _qgemm: list[Any] = []  # [q4, q8, decode stack, uses_amx] C functions when the CPU has AVX512-BF16
 _qgemm_rows: list[int] = []  # [izh_qgemm_max_rows()]: 64 with AMX, else 8
-_argmax: list[Any] = []  # [izh_argmax_rows_f32]
+_argmax: list[Any] = []  # [izh_argmax_rows_f32, izh_sample_rows_f32]
 
 
 def _resolve() -> dict[torch.dtype, _Kernels]:
@@ -902,7 +907,7 @@ def decode_stack(
     return out
 
 
-# --- greedy ---------------------------------------------------------------------------------------------
+# --- greedy and random rows -------------------------------------------------------------------------------
 
 
 def argmax_rows_ref(x: Tensor) -> Tensor:
@@ -919,3 +924,51 @@ def argmax_rows(x: Tensor) -> Tensor:
         fns[0](x.data_ptr(), x.stride(0), rows, n, out.data_ptr(), torch.get_num_threads())
         return out
     return argmax_rows_ref(x)
+
+
+def inverse_cdf_ref(probs: Tensor, uniform: Tensor) -> Tensor:
+    """Per row of probs [rows, n] (need not sum to 1) and uniform [rows] float64 in [0, 1): the first
+    token whose cumulative probability (float64) exceeds u times the row's total (int64 [rows])."""
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)
+    targets = (uniform * cdf[:, -1]).unsqueeze(1)
+    sampled = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    return sampled.clamp_(max=probs.shape[1] - 1)
+
+
+def sample_rows_ref(logits: Tensor, uniform: Tensor) -> Tensor:
+    """A token per row of logits [rows, n] drawn from softmax(logits) by inverse CDF with `uniform`."""
+    return inverse_cdf_ref(logits.softmax(dim=-1), uniform)
+
+
+def sample_rows(logits: Tensor, uniform: Tensor) -> Tensor:
+    """`sample_rows_ref(logits, uniform)` in one C pass per row for float32 CPU rows (rows in parallel):
+    softmax's exps are summed in float64 by chunks, and no probability tensor is built (at 32 x 49k:
+    ~0.5 ms against ~6 ms). The same distribution; a draw within rounding of a token boundary may pick
+    the neighbouring token."""
+    fns = _argmax or (_resolve(), _argmax)[1]
+    if (
+        fns
+        and logits.dtype == torch.float32
+        and logits.is_cpu
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and logits.shape[1] > 0
+        and uniform.dtype == torch.float64
+        and uniform.is_cpu
+        and uniform.is_contiguous()
+        and uniform.shape == (logits.shape[0],)
+    ):
+        rows, n = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        rc = fns[1](
+            logits.data_ptr(),
+            logits.stride(0),
+            rows,
+            n,
+            uniform.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc == 0:
+            return out
+    return sample_rows_ref(logits, uniform)

@@ -1109,5 +1109,76 @@ void izh_argmax_rows_f32(const float *x, int64_t xs, int64_t rows, int64_t n, in
     }
 }
 
+/* ------------------------------------------------------------------------------------------------ */
+/* Sampling: per fp32 row of (temperature-scaled, masked) logits x and a uniform u in [0, 1), the first
+ * token j whose cumulative exp(x - max) exceeds u times the row's total, i.e. inverse-CDF sampling from
+ * softmax(x). Sums are in fp64 by chunks of SAMPLE_CHUNK tokens (vectorised); the scan skips whole chunks
+ * by their sums and walks the one where the target falls, adding sequentially (should rounding leave the
+ * target past that walk, the next chunk's first token of nonzero weight is taken). A row whose total
+ * rounds to u * total picks its last token of nonzero probability; an all -inf (or NaN) row token 0. */
+#define SAMPLE_CHUNK 256
+
+static FAST_FP int64_t sample_row(const float *x, int64_t V, double u, double *csum) {
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < V; j++) m = x[j] > m ? x[j] : m;
+    if (!(m > -INFINITY) || m != m) return 0;
+    const int64_t chunks = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
+    float e[SAMPLE_CHUNK];
+    double total = 0.0;
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t n = V - c * SAMPLE_CHUNK < SAMPLE_CHUNK ? V - c * SAMPLE_CHUNK : SAMPLE_CHUNK;
+        const float *xc = x + c * SAMPLE_CHUNK;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) e[i] = exp_f32(xc[i] - m);
+        double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; i++) sum += e[i];
+        csum[c] = sum;
+        total += sum;
+    }
+    const double target = u * total;
+    double cum = 0.0;
+    for (int64_t c = 0; c < chunks; c++) {
+        if (cum + csum[c] > target) {
+            const int64_t n = V - c * SAMPLE_CHUNK < SAMPLE_CHUNK ? V - c * SAMPLE_CHUNK : SAMPLE_CHUNK;
+            const float *xc = x + c * SAMPLE_CHUNK;
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) e[i] = exp_f32(xc[i] - m);
+            double local = 0.0;
+            for (int64_t i = 0; i < n; i++) {
+                local += e[i];
+                if (e[i] > 0.0f && cum + local > target) return c * SAMPLE_CHUNK + i;
+            }
+        }
+        cum += csum[c];
+    }
+    for (int64_t j = V - 1; j > 0; j--)
+        if (exp_f32(x[j] - m) > 0.0f) return j;
+    return 0;
+}
+
+/* x: fp32 [rows, V] with row stride xs; u: fp64 [rows]; out: int64 [rows]. Returns -4 out of memory. */
+int izh_sample_rows_f32(const float *x, int64_t xs, int64_t rows, int64_t V, const double *u, int64_t *out,
+                        int nt) {
+    const int64_t chunks = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
+    int failed = 0;
+    if (nt <= 1 || rows * V < PAR_MIN_ELEMS || rows < 2) {
+        double *csum = (double *)malloc(sizeof(double) * (size_t)chunks);
+        if (!csum) return -4;
+        for (int64_t r = 0; r < rows; r++) out[r] = sample_row(x + r * xs, V, u[r], csum);
+        free(csum);
+    } else {
+        _Pragma("omp parallel num_threads(nt) reduction(| : failed)") {
+            double *csum = (double *)malloc(sizeof(double) * (size_t)chunks);
+            failed |= csum == NULL;
+            _Pragma("omp for schedule(static)") for (int64_t r = 0; r < rows; r++) if (csum) out[r] =
+                sample_row(x + r * xs, V, u[r], csum);
+            free(csum);
+        }
+    }
+    return failed ? -4 : 0;
+}
+
 /* Lets the loader check it got the library it built. */
-int izh_cpu_abi_version(void) { return 3; }
+int izh_cpu_abi_version(void) { return 4; }
