@@ -5,8 +5,9 @@
 SmolLM2 (default settings), `--batch` requests of 128 random prompt tokens decoding together; the median
 decode step for greedy, temperature, top-p, top-k and min-p requests. Each setting also runs with the
 previous implementation patched back in, in the same process, so the ratio is measured on the same machine
-state: greedy through torch.max instead of the C argmax, and random rows through torch's softmax and a
-float64 cumulative sum (`izh.kernels.cpu.sample_rows_ref`) instead of the one-pass C sampler. (The
+state: greedy through torch.max instead of the C argmax, random rows through torch's softmax and a
+float64 cumulative sum (`izh.kernels.cpu.sample_rows_ref`) instead of the one-pass C sampler, and top-p
+through torch's histogram-and-candidates path (`_apply_top_p_torch`) instead of the C kernel. (The
 recorded run sampling_cost-20261129-133035 compared, with the code of its day, against the exponential
 race and a full-vocabulary sort for top-p.) Writes one JSON under bench_results/.
 """
@@ -39,15 +40,17 @@ SETTINGS: dict[str, dict[str, Any]] = {
 
 @contextmanager
 def previous_algorithms() -> Iterator[None]:
+    from izh.engine import sampler
     from izh.kernels import cpu as cpu_ops
 
-    saved = (cpu_ops.argmax_rows, cpu_ops.sample_rows)
+    saved = (cpu_ops.argmax_rows, cpu_ops.sample_rows, sampler._apply_top_p)
     cpu_ops.argmax_rows = cpu_ops.argmax_rows_ref
     cpu_ops.sample_rows = cpu_ops.sample_rows_ref
+    sampler._apply_top_p = sampler._apply_top_p_torch
     try:
         yield
     finally:
-        cpu_ops.argmax_rows, cpu_ops.sample_rows = saved
+        cpu_ops.argmax_rows, cpu_ops.sample_rows, sampler._apply_top_p = saved
 
 
 def median_decode_step_ms(llm: Any, prompts: list[list[int]], params: Any) -> float:

@@ -223,9 +223,17 @@ def test_top_p_on_a_large_vocabulary_equals_the_full_sort() -> None:
     assert tied_kept == sorted(tied_kept, reverse=True), tied_kept
 
 
+@pytest.mark.parametrize("implementation", ["_apply_top_p", "_apply_top_p_torch"])
 @pytest.mark.parametrize("bfloat16_ties", [False, True])
-def test_top_p_candidates_equal_the_full_sort_on_random_rows(bfloat16_ties: bool) -> None:
-    from izh.engine.sampler import _apply_top_p, _apply_top_p_sorted
+def test_top_p_candidates_equal_the_full_sort_on_random_rows(
+    bfloat16_ties: bool, implementation: str
+) -> None:
+    """The C kernel (on a CPU with the library) and the torch histogram path (GPUs, no compiler) against
+    the stable full sort that defines top-p."""
+    from izh.engine import sampler
+    from izh.engine.sampler import _apply_top_p_sorted
+
+    _apply_top_p = getattr(sampler, implementation)
 
     g = torch.Generator().manual_seed(11)
     num_rows, vocab_size = 48, 3000

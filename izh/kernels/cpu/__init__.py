@@ -106,6 +106,7 @@ __all__ = [
     "sample_rows_ref",
     "silu_mul",
     "silu_mul_ref",
+    "top_p_mask_",
     "unpack_q4",
     "unpack_q8",
 ]
@@ -113,7 +114,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("izh_cpu.c")
-_ABI_VERSION = 4  # izh_cpu_abi_version() in the C file
+_ABI_VERSION = 5  # izh_cpu_abi_version() in the C file
 _CC = "gcc"
 _CFLAGS = (
     "-O3",
@@ -376,7 +377,9 @@ def _load_library(cache_dir: Path | str | None = None) -> dict[torch.dtype, _Ker
         lib.izh_argmax_rows_f32.argtypes = [_P, _I64, _I64, _I64, _P, _INT]
         lib.izh_sample_rows_f32.restype = _INT
         lib.izh_sample_rows_f32.argtypes = [_P, _I64, _I64, _I64, _P, _P, _INT]
-        _argmax.extend((lib.izh_argmax_rows_f32, lib.izh_sample_rows_f32))
+        lib.izh_top_p_rows_f32.restype = _INT
+        lib.izh_top_p_rows_f32.argtypes = [_P, _I64, _I64, _I64, _P, _INT]
+        _argmax.extend((lib.izh_argmax_rows_f32, lib.izh_sample_rows_f32, lib.izh_top_p_rows_f32))
         lib.izh_qgemm_available.restype = ctypes.c_int
         if lib.izh_qgemm_available():
             for name in ("izh_q4_gemm", "izh_q8_gemm"):
@@ -405,7 +408,7 @@ _resolved = False
 _kernels: dict[torch.dtype, _Kernels] = {}  # filled once, when the library loads
 _qgemm: list[Any] = []  # [q4, q8, decode stack, uses_amx] C functions when the CPU has AVX512-BF16
 _qgemm_rows: list[int] = []  # [izh_qgemm_max_rows()]: 64 with AMX, else 8
-_argmax: list[Any] = []  # [izh_argmax_rows_f32, izh_sample_rows_f32]
+_argmax: list[Any] = []  # [izh_argmax_rows_f32, izh_sample_rows_f32, izh_top_p_rows_f32] (sampling)
 
 
 def _resolve() -> dict[torch.dtype, _Kernels]:
@@ -972,3 +975,27 @@ def sample_rows(logits: Tensor, uniform: Tensor) -> Tensor:
         if rc == 0:
             return out
     return sample_rows_ref(logits, uniform)
+
+
+def top_p_mask_(logits: Tensor, top_p: Tensor) -> Tensor | None:
+    """Top-p in place on float32 CPU rows (rows with top_p >= 1 untouched): every token outside the
+    nucleus becomes -inf. The nucleus is `izh.engine.sampler._apply_top_p_sorted`'s (descending
+    probability, ties by token id, kept while the mass before a token is < top_p), with float64
+    probabilities. Returns logits, or None when the C kernel does not apply (the caller uses torch)."""
+    fns = _argmax or (_resolve(), _argmax)[1]
+    if not (
+        fns
+        and logits.dtype == torch.float32
+        and logits.is_cpu
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and logits.shape[1] > 0
+        and top_p.dtype == torch.float32
+        and top_p.is_cpu
+        and top_p.is_contiguous()
+        and top_p.shape == (logits.shape[0],)
+    ):
+        return None
+    rows, n = logits.shape
+    rc = fns[2](logits.data_ptr(), logits.stride(0), rows, n, top_p.data_ptr(), torch.get_num_threads())
+    return logits if rc == 0 else None

@@ -1180,5 +1180,103 @@ int izh_sample_rows_f32(const float *x, int64_t xs, int64_t rows, int64_t V, con
     return failed ? -4 : 0;
 }
 
+/* ------------------------------------------------------------------------------------------------ */
+/* Top-p in place: per fp32 row of (temperature-scaled, top-k masked) logits and its top_p < 1, every
+ * token outside the nucleus becomes -inf. The nucleus: tokens in descending probability, ties by token
+ * id, kept while the probability mass before them is < top_p (the top token always). Probabilities are
+ * exp(x - max) / sum in fp64. Only the tokens that can be in the nucleus are sorted: a histogram of the
+ * row (buckets of TOP_P_WIDTH below its maximum, weighted by probability) finds the top buckets holding
+ * at least top_p + TOP_P_MARGIN of the mass; their tokens are the candidates (all of them when the
+ * margin cannot be had). Rows with top_p >= 1 are left alone. */
+#define TOP_P_BUCKETS 1024
+#define TOP_P_WIDTH 0.05f
+#define TOP_P_MARGIN 1e-3
+
+typedef struct {
+    float x;
+    int32_t id;
+} top_p_cand;
+
+static int top_p_order(const void *a, const void *b) {
+    const top_p_cand *p = (const top_p_cand *)a, *q = (const top_p_cand *)b;
+    if (p->x != q->x) return p->x > q->x ? -1 : 1;
+    return (p->id > q->id) - (p->id < q->id);
+}
+
+/* scratch: e [V] floats, cand [V]. */
+static FAST_FP void top_p_row(float *x, int64_t V, float top_p, float *e, top_p_cand *cand) {
+    if (!(top_p < 1.0f)) return;
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < V; j++) m = x[j] > m ? x[j] : m;
+    if (!(m > -INFINITY) || m != m) return;
+    double mass[TOP_P_BUCKETS] = {0};
+    double total = 0.0;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < V; j++) {
+        e[j] = exp_f32(x[j] - m);
+        total += e[j];
+    }
+    /* The last bucket (everything further down, masked tokens included) is never summed: it is reached
+     * only when the others do not hold the needed mass. */
+    for (int64_t j = 0; j < V; j++) {
+        const float d = (m - x[j]) * (1.0f / TOP_P_WIDTH); /* +inf for a masked token */
+        if (d < (float)(TOP_P_BUCKETS - 1)) mass[(int)d] += e[j];
+    }
+    double needed = ((double)top_p + TOP_P_MARGIN) * total, cum = 0.0;
+    int crossing = TOP_P_BUCKETS - 1;
+    for (int b = 0; b < TOP_P_BUCKETS - 1; b++) {
+        cum += mass[b];
+        if (cum >= needed) {
+            crossing = b;
+            break;
+        }
+    }
+    int64_t k = 0;
+    if (crossing == TOP_P_BUCKETS - 1) {
+        for (int64_t j = 0; j < V; j++) cand[k++] = (top_p_cand){x[j], (int32_t)j};
+    } else {
+        /* Bucket <= crossing, computed as in the histogram. */
+        for (int64_t j = 0; j < V; j++)
+            if ((m - x[j]) * (1.0f / TOP_P_WIDTH) < (float)(crossing + 1)) cand[k++] = (top_p_cand){x[j], (int32_t)j};
+    }
+    qsort(cand, (size_t)k, sizeof *cand, top_p_order);
+    const double limit = (double)top_p * total;
+    double before = 0.0;
+    int64_t last = 0; /* the last kept candidate */
+    for (int64_t c = 0; c < k; c++) {
+        if (before >= limit) break;
+        last = c;
+        before += (double)e[cand[c].id];
+    }
+    const float lx = cand[last].x;
+    const int32_t lid = cand[last].id;
+    /* Kept: ahead of the last kept candidate in (x descending, id ascending) order, or it. */
+    for (int64_t j = 0; j < V; j++)
+        if (!(x[j] > lx || (x[j] == lx && j <= lid))) x[j] = -INFINITY;
+}
+
+/* x: fp32 [rows, V], row stride xs, modified in place; top_p: fp32 [rows]. Returns -4 out of memory. */
+int izh_top_p_rows_f32(float *x, int64_t xs, int64_t rows, int64_t V, const float *top_p, int nt) {
+    const size_t scratch = (size_t)V * (sizeof(float) + sizeof(top_p_cand));
+    int failed = 0;
+    if (nt <= 1 || rows < 2) {
+        char *buf = (char *)malloc(scratch);
+        if (!buf) return -4;
+        for (int64_t r = 0; r < rows; r++)
+            top_p_row(x + r * xs, V, top_p[r], (float *)buf, (top_p_cand *)(buf + V * sizeof(float)));
+        free(buf);
+    } else {
+        _Pragma("omp parallel num_threads(nt) reduction(| : failed)") {
+            char *buf = (char *)malloc(scratch);
+            failed |= buf == NULL;
+            _Pragma("omp for schedule(dynamic, 1)") for (int64_t r = 0; r < rows; r++) if (buf)
+                top_p_row(x + r * xs, V, top_p[r], (float *)buf, (top_p_cand *)(buf + V * sizeof(float)));
+            free(buf);
+        }
+    }
+    return failed ? -4 : 0;
+}
+
 /* Lets the loader check it got the library it built. */
-int izh_cpu_abi_version(void) { return 4; }
+int izh_cpu_abi_version(void) { return 5; }
