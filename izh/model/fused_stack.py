@@ -1,10 +1,11 @@
-"""Small decode steps through the whole decoder stack in one C call (`izh.kernels.cpu.decode_stack`).
+"""Decode steps through the whole decoder stack in C: one `izh.kernels.cpu.decode_stack` call per
+`qgemm_max_rows()` sequences (64 with AMX), for steps of up to `MAX_CHUNKS` such calls.
 
 A single-stream decode step of a small model on a CPU spends as long in Python between the kernels
 (module calls, views, ctypes, ~80 us a layer) as in the layer's matmuls. When every linear of a Llama-style
 model holds izh's packed records, the C side can run the same kernels in the same order itself: its output
 is bit-identical to the module path's, which stays the definition (and runs everything else: prefills,
-mixed steps, batches over `qgemm_max_rows()`, per-head q/k norms, other backends).
+mixed steps, larger decode steps, per-head q/k norms, other backends).
 """
 
 from __future__ import annotations
