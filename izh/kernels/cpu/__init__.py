@@ -906,7 +906,8 @@ def decode_stack(
     if rc != 0:
         if rc in _ATTENTION_ERRORS and rc != -4:
             raise IndexError(f"decode_stack: {_ATTENTION_ERRORS[rc]}")
-        raise RuntimeError(f"decode_stack failed (code {rc})")
+        reasons = {-4: "out of memory", -5: "too many rows", -6: "a matmul refused its shape"}
+        raise RuntimeError(f"decode_stack failed: {reasons.get(rc, f'code {rc}')}")
     return out
 
 

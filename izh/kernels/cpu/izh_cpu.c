@@ -995,7 +995,9 @@ int izh_q8_gemm(const uint16_t *x, int64_t xs, const uint8_t *w, int64_t M, int6
  *
  * layers: num_layers rows of STACK_FIELDS int64: input-norm weight, post-attention-norm weight, KV cache
  * ([2, num_blocks, block_size, kvh, d]), then (records, kind 4 or 8, bias or 0) for qkv, o, gate_up, down.
- * x: [M, hidden] embeddings, used as the residual stream (overwritten); out: [M, hidden] final-normed. */
+ * x: [M, hidden] embeddings, used as the residual stream (overwritten); out: [M, hidden] final-normed.
+ * Returns 0; attention's -1..-3 for an index outside the cache (found in layer 0, before any K/V is
+ * written); -4 out of memory; -5 M outside 1..izh_qgemm_max_rows(); -6 a matmul refused its shape. */
 enum { STACK_IN_NORM, STACK_POST_NORM, STACK_KV, STACK_QKV, STACK_O = STACK_QKV + 3, STACK_GATE_UP = STACK_O + 3,
        STACK_DOWN = STACK_GATE_UP + 3, STACK_FIELDS = STACK_DOWN + 3 };
 
@@ -1003,6 +1005,7 @@ static int stack_linear(const int64_t *lin, const uint16_t *x, int64_t M, int64_
                         int nt) {
     const uint8_t *rec = (const uint8_t *)(intptr_t)lin[0];
     int rc = lin[1] == 4 ? izh_q4_gemm(x, K, rec, M, N, K, out, N, 0, nt) : izh_q8_gemm(x, K, rec, M, N, K, out, N, 0, nt);
+    if (rc == -1) return -6; /* a shape the matmul refused: not attention's -1 (a slot past the cache) */
     const uint16_t *bias = (const uint16_t *)(intptr_t)lin[2];
     if (rc == 0 && bias)
         for (int64_t m = 0; m < M; m++)
