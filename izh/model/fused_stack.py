@@ -130,16 +130,12 @@ class FusedDecodeStack:
 def _linear_fields(linear: Linear) -> list[int] | None:
     """(records pointer, kind 4 or 8, bias pointer or 0) for a linear packed with izh's records."""
     packed = linear.packed
-    if isinstance(packed, Q4Records):
-        kind = 4
-    elif isinstance(packed, Q8Records):
-        kind = 8
-    else:
+    if not isinstance(packed, Q4Records | Q8Records):
         return None
     bias = linear.bias
     if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         return None
-    return [packed.records.data_ptr(), kind, 0 if bias is None else bias.data_ptr()]
+    return [packed.records.data_ptr(), packed.kind, 0 if bias is None else bias.data_ptr()]
 
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:

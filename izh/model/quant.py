@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
@@ -58,10 +58,8 @@ class Int4Weight:
     scales_zeros: Tensor
     group_size: int
 
-    @property
-    def max_rows(self) -> int:
-        """The most rows (tokens) a step sends through this weight instead of the dense one."""
-        return TORCH_PACKED_MAX_ROWS
+    max_rows: ClassVar[int] = TORCH_PACKED_MAX_ROWS
+    """The most rows (tokens) a step sends through this weight instead of the dense one."""
 
     def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
@@ -79,9 +77,7 @@ class Int8Weight:
     weight: Tensor
     scales: Tensor
 
-    @property
-    def max_rows(self) -> int:
-        return TORCH_PACKED_MAX_ROWS
+    max_rows: ClassVar[int] = TORCH_PACKED_MAX_ROWS
 
     def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
@@ -93,18 +89,16 @@ class Int8Weight:
 
 
 @dataclass(frozen=True, slots=True)
-class Q4Records:
-    """A [out, in] weight as izh's int4 records (`izh.kernels.cpu.pack_q4`), for batches of <= max_rows."""
+class _Records:
+    """A [out, in] weight as izh's records (izh.kernels.cpu), for batches of <= max_rows."""
 
     records: Tensor
     out_features: int
     in_features: int
     max_rows: int
     """`cpu_ops.qgemm_max_rows()`: 64 with AMX, else 8."""
-
-    def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        """x [M, in] bf16 -> new bf16 [M, out], or into out[:M] (float32 or bfloat16)."""
-        return cpu_ops.q4_matmul(x, self.records, self.out_features, self.in_features, out)
+    kind: ClassVar[int]
+    """4 or 8: the record format, as the fused decode stack's table names it."""
 
     @property
     def nbytes(self) -> int:
@@ -112,20 +106,24 @@ class Q4Records:
 
 
 @dataclass(frozen=True, slots=True)
-class Q8Records:
-    """A [out, in] weight as izh's int8 records (`izh.kernels.cpu.pack_q8`), for batches of <= max_rows."""
+class Q4Records(_Records):
+    """int4 records (`izh.kernels.cpu.pack_q4`)."""
 
-    records: Tensor
-    out_features: int
-    in_features: int
-    max_rows: int
+    kind: ClassVar[int] = 4
+
+    def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """x [M, in] bf16 -> new bf16 [M, out], or into out[:M] (float32 or bfloat16)."""
+        return cpu_ops.q4_matmul(x, self.records, self.out_features, self.in_features, out)
+
+
+@dataclass(frozen=True, slots=True)
+class Q8Records(_Records):
+    """int8 records (`izh.kernels.cpu.pack_q8`)."""
+
+    kind: ClassVar[int] = 8
 
     def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         return cpu_ops.q8_matmul(x, self.records, self.out_features, self.in_features, out)
-
-    @property
-    def nbytes(self) -> int:
-        return self.records.nbytes
 
 
 PackedWeight = Int4Weight | Int8Weight | Q4Records | Q8Records

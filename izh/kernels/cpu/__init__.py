@@ -68,6 +68,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -379,7 +380,7 @@ def _load_library(cache_dir: Path | str | None = None) -> dict[torch.dtype, _Ker
         lib.izh_sample_rows_f32.argtypes = [_P, _I64, _I64, _I64, _P, _P, _INT]
         lib.izh_top_p_rows_f32.restype = _INT
         lib.izh_top_p_rows_f32.argtypes = [_P, _I64, _I64, _I64, _P, _INT]
-        _argmax.extend((lib.izh_argmax_rows_f32, lib.izh_sample_rows_f32, lib.izh_top_p_rows_f32))
+        _sampling.extend((lib.izh_argmax_rows_f32, lib.izh_sample_rows_f32, lib.izh_top_p_rows_f32))
         lib.izh_qgemm_available.restype = ctypes.c_int
         if lib.izh_qgemm_available():
             for name in ("izh_q4_gemm", "izh_q8_gemm"):
@@ -408,7 +409,7 @@ _resolved = False
 _kernels: dict[torch.dtype, _Kernels] = {}  # filled once, when the library loads
 _qgemm: list[Any] = []  # [q4, q8, decode stack, uses_amx] C functions when the CPU has AVX512-BF16
 _qgemm_rows: list[int] = []  # [izh_qgemm_max_rows()]: 64 with AMX, else 8
-_argmax: list[Any] = []  # [izh_argmax_rows_f32, izh_sample_rows_f32, izh_top_p_rows_f32] (sampling)
+_sampling: list[Any] = []  # [izh_argmax_rows_f32, izh_sample_rows_f32, izh_top_p_rows_f32]
 
 
 def _resolve() -> dict[torch.dtype, _Kernels]:
@@ -763,10 +764,7 @@ def q4_matmul_ref(
 ) -> Tensor:
     """x [M, K] @ W^T in float32, rounded once to `out_dtype` (default x's dtype). `bf16_weights` rounds W
     to bfloat16 first, as the AMX kernel does (`qgemm_uses_amx`)."""
-    w = unpack_q4(records, n, k)
-    if bf16_weights:
-        w = w.bfloat16().float()
-    return (x.float() @ w.T).to(out_dtype or x.dtype)
+    return _matmul_ref(x, unpack_q4(records, n, k), out_dtype, bf16_weights)
 
 
 def q8_matmul_ref(
@@ -779,7 +777,10 @@ def q8_matmul_ref(
     bf16_weights: bool = False,
 ) -> Tensor:
     """As `q4_matmul_ref`, for int8 records."""
-    w = unpack_q8(records, n, k)
+    return _matmul_ref(x, unpack_q8(records, n, k), out_dtype, bf16_weights)
+
+
+def _matmul_ref(x: Tensor, w: Tensor, out_dtype: torch.dtype | None, bf16_weights: bool) -> Tensor:
     if bf16_weights:
         w = w.bfloat16().float()
     return (x.float() @ w.T).to(out_dtype or x.dtype)
@@ -834,19 +835,21 @@ def q4_matmul(x: Tensor, records: Tensor, n: int, k: int, out: Tensor | None = N
     """`q4_matmul_ref(x, ..., bf16_weights=qgemm_uses_amx(4, M))` for x [M <= qgemm_max_rows(), K]: a new
     bf16 [M, N], or written into out[:M] (float32 or bfloat16, e.g. a logits buffer) and returned.
     records: `pack_q4`'s, contiguous. Other inputs get the reference."""
-    got = _qgemm_call(0, x, records, n, k, out)
-    if got is not None:
-        return got
-    y = q4_matmul_ref(x, records, n, k, out.dtype if out is not None else None)
-    return y if out is None else out[: y.shape[0]].copy_(y)
+    return _qgemm_or_ref(0, q4_matmul_ref, x, records, n, k, out)
 
 
 def q8_matmul(x: Tensor, records: Tensor, n: int, k: int, out: Tensor | None = None) -> Tensor:
     """As `q4_matmul`, for `pack_q8` records (AMX from `qgemm_uses_amx(8, M)`)."""
-    got = _qgemm_call(1, x, records, n, k, out)
+    return _qgemm_or_ref(1, q8_matmul_ref, x, records, n, k, out)
+
+
+def _qgemm_or_ref(
+    which: int, ref: Callable[..., Tensor], x: Tensor, records: Tensor, n: int, k: int, out: Tensor | None
+) -> Tensor:
+    got = _qgemm_call(which, x, records, n, k, out)
     if got is not None:
         return got
-    y = q8_matmul_ref(x, records, n, k, out.dtype if out is not None else None)
+    y = ref(x, records, n, k, out.dtype if out is not None else None)
     return y if out is None else out[: y.shape[0]].copy_(y)
 
 
@@ -919,15 +922,36 @@ def argmax_rows_ref(x: Tensor) -> Tensor:
     return x.max(dim=-1).indices
 
 
+def _sampling_kernels(logits: Tensor, per_row: Tensor | None = None) -> list[Any] | None:
+    """The C sampling kernels when they take these rows: logits float32 [rows, n > 0] on the CPU with
+    unit inner stride, and `per_row` (a uniform or top_p vector, any dtype the caller checked) a
+    contiguous CPU [rows]; else None (the caller uses torch)."""
+    fns = _sampling or (_resolve(), _sampling)[1]
+    if not (
+        fns
+        and logits.dtype == torch.float32
+        and logits.is_cpu
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and logits.shape[1] > 0
+    ):
+        return None
+    if per_row is not None and not (
+        per_row.is_cpu and per_row.is_contiguous() and per_row.shape == (logits.shape[0],)
+    ):
+        return None
+    return fns
+
+
 def argmax_rows(x: Tensor) -> Tensor:
     """`argmax_rows_ref(x)`: one C pass over float32 CPU rows (rows in parallel), else torch."""
-    fns = _argmax or (_resolve(), _argmax)[1]
-    if fns and x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0:
-        rows, n = x.shape
-        out = torch.empty(rows, dtype=torch.int64)
-        fns[0](x.data_ptr(), x.stride(0), rows, n, out.data_ptr(), torch.get_num_threads())
-        return out
-    return argmax_rows_ref(x)
+    fns = _sampling_kernels(x)
+    if fns is None:
+        return argmax_rows_ref(x)
+    rows, n = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    fns[0](x.data_ptr(), x.stride(0), rows, n, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def inverse_cdf_ref(probs: Tensor, uniform: Tensor) -> Tensor:
@@ -947,21 +971,10 @@ def sample_rows_ref(logits: Tensor, uniform: Tensor) -> Tensor:
 def sample_rows(logits: Tensor, uniform: Tensor) -> Tensor:
     """`sample_rows_ref(logits, uniform)` in one C pass per row for float32 CPU rows (rows in parallel):
     softmax's exps are summed in float64 by chunks, and no probability tensor is built (at 32 x 49k:
-    ~0.5 ms against ~6 ms). The same distribution; a draw within rounding of a token boundary may pick
+    0.7 ms against 1.9 ms). The same distribution; a draw within rounding of a token boundary may pick
     the neighbouring token."""
-    fns = _argmax or (_resolve(), _argmax)[1]
-    if (
-        fns
-        and logits.dtype == torch.float32
-        and logits.is_cpu
-        and logits.dim() == 2
-        and logits.stride(1) == 1
-        and logits.shape[1] > 0
-        and uniform.dtype == torch.float64
-        and uniform.is_cpu
-        and uniform.is_contiguous()
-        and uniform.shape == (logits.shape[0],)
-    ):
+    fns = _sampling_kernels(logits, uniform) if uniform.dtype == torch.float64 else None
+    if fns is not None:
         rows, n = logits.shape
         out = torch.empty(rows, dtype=torch.int64)
         rc = fns[1](
@@ -983,19 +996,8 @@ def top_p_mask_(logits: Tensor, top_p: Tensor) -> Tensor | None:
     nucleus becomes -inf. The nucleus is `izh.engine.sampler._apply_top_p_sorted`'s (descending
     probability, ties by token id, kept while the mass before a token is < top_p), with float64
     probabilities. Returns logits, or None when the C kernel does not apply (the caller uses torch)."""
-    fns = _argmax or (_resolve(), _argmax)[1]
-    if not (
-        fns
-        and logits.dtype == torch.float32
-        and logits.is_cpu
-        and logits.dim() == 2
-        and logits.stride(1) == 1
-        and logits.shape[1] > 0
-        and top_p.dtype == torch.float32
-        and top_p.is_cpu
-        and top_p.is_contiguous()
-        and top_p.shape == (logits.shape[0],)
-    ):
+    fns = _sampling_kernels(logits, top_p) if top_p.dtype == torch.float32 else None
+    if fns is None:
         return None
     rows, n = logits.shape
     rc = fns[2](logits.data_ptr(), logits.stride(0), rows, n, top_p.data_ptr(), torch.get_num_threads())

@@ -664,11 +664,20 @@ INLINE void store_row16(void *out, int64_t idx, __m512 v, const int out_f32) {
         _mm256_storeu_si256((__m256i *)((uint16_t *)out + idx), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-/* One tile of the int4 matmul. xsum[m * groups + g] = sum of x[m] over group g (fp32). dpbf16ps has a
- * latency of several cycles, so with few rows the group's products go to NC independent chains. */
+/* dpbf16ps and FMAs have a latency of several cycles: with few rows, a group's products go to this many
+ * independent accumulator chains, summed by sum_chains at the end of the group. */
+INLINE int qgemm_chains(const int M) { return M == 1 ? 4 : M == 2 ? 2 : 1; }
+
+INLINE __m512 sum_chains(const __m512 *t, const int NC) {
+    __m512 dot = t[0];
+    for (int c = 1; c < NC; c++) dot = _mm512_add_ps(dot, t[c]);
+    return dot;
+}
+
+/* One tile of the int4 matmul. xsum[m * groups + g] = sum of x[m] over group g (fp32). */
 INLINE void q4_tile(const int M, const uint16_t *x, int64_t xs, const float *xsum, const uint8_t *rec,
                     int64_t groups, void *out, int64_t os, int out_f32, int64_t tile) {
-    const int NC = M == 1 ? 4 : M == 2 ? 2 : 1;
+    const int NC = qgemm_chains(M);
     const __m512i lowmask = _mm512_set1_epi16(0x0F), magic = _mm512_set1_epi16(0x4300);
     __m512 acc[QGEMM_MAX_M];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
@@ -693,10 +702,8 @@ INLINE void q4_tile(const int M, const uint16_t *x, int64_t xs, const float *xsu
         }
         const __m512 scale = bf16x16_to_ps(rec + 256), minimum = bf16x16_to_ps(rec + 288);
         for (int m = 0; m < M; m++) {
-            __m512 dot = t[m][0];
-            for (int c = 1; c < NC; c++) dot = _mm512_add_ps(dot, t[m][c]);
             const float X = xsum[m * groups + g];
-            dot = _mm512_sub_ps(dot, _mm512_set1_ps(128.0f * X));
+            const __m512 dot = _mm512_sub_ps(sum_chains(t[m], NC), _mm512_set1_ps(128.0f * X));
             acc[m] = _mm512_fmadd_ps(dot, scale, acc[m]);
             acc[m] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(X), acc[m]);
         }
@@ -707,7 +714,7 @@ INLINE void q4_tile(const int M, const uint16_t *x, int64_t xs, const float *xsu
 /* One tile of the int8 matmul; xf is x in fp32 [M, K] (contiguous). */
 INLINE void q8_tile(const int M, const float *xf, int64_t K, const uint8_t *rec, int64_t groups, void *out,
                     int64_t os, int out_f32, int64_t tile) {
-    const int NC = M == 1 ? 4 : M == 2 ? 2 : 1;
+    const int NC = qgemm_chains(M);
     __m512 acc[QGEMM_MAX_M];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++, rec += Q8_RECORD) {
@@ -723,11 +730,7 @@ INLINE void q8_tile(const int M, const float *xf, int64_t K, const uint8_t *rec,
                 t[m][c] = _mm512_fmadd_ps(w, _mm512_set1_ps(xf[m * K + g * 32 + k]), t[m][c]);
         }
         const __m512 scale = bf16x16_to_ps(rec + 512);
-        for (int m = 0; m < M; m++) {
-            __m512 dot = t[m][0];
-            for (int c = 1; c < NC; c++) dot = _mm512_add_ps(dot, t[m][c]);
-            acc[m] = _mm512_fmadd_ps(dot, scale, acc[m]);
-        }
+        for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(sum_chains(t[m], NC), scale, acc[m]);
     }
     for (int m = 0; m < M; m++) store_row16(out, m * os + tile * 16, acc[m], out_f32);
 }
