@@ -48,6 +48,17 @@ def _q4_1_values(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return _gguf_values(rows, cols, "Q4_1", seed)
 
 
+def _int4_llm(path: str, kv_cache_memory_bytes: int = 4 << 20) -> LLM:
+    """A bfloat16 engine with every linear packed as int4 (explicitly, so float checkpoints too)."""
+    return LLM(
+        path,
+        dtype="bfloat16",
+        quantization="int4",
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        show_progress=False,
+    )
+
+
 def test_int4_packing_of_q4_1_values_recovers_them() -> None:
     weight = _q4_1_values(64, 128)
     packed = quantize_int4(weight.bfloat16())
@@ -206,13 +217,7 @@ def test_fused_decode_stack_gives_the_module_path_tokens(tiny_checkpoint_factory
     count = 12 if cpu_ops.qgemm_max_rows() >= 12 else 6
     prompts = [{"prompt_token_ids": [5 + i, 17, 33 * i % 500, 9, 61, 2][: 3 + i % 4]} for i in range(count)]
     for kind in ("llama3", "qwen2", "qwen3"):
-        llm = LLM(
-            tiny_checkpoint_factory(kind),
-            dtype="bfloat16",
-            quantization="int4",
-            kv_cache_memory_bytes=4 << 20,
-            show_progress=False,
-        )
+        llm = _int4_llm(tiny_checkpoint_factory(kind))
         model = llm.engine_core.runner.model
         fused = model.fused_stack
         if kind == "qwen3" or not cpu_ops.qgemm_available():
@@ -233,13 +238,7 @@ def test_fused_decode_stack_gives_the_module_path_tokens(tiny_checkpoint_factory
 
 
 def test_binding_new_kv_caches_drops_the_fused_stack(tiny_checkpoint_factory) -> None:
-    llm = LLM(
-        tiny_checkpoint_factory("llama"),
-        dtype="bfloat16",
-        quantization="int4",
-        kv_cache_memory_bytes=4 << 20,
-        show_progress=False,
-    )
+    llm = _int4_llm(tiny_checkpoint_factory("llama"))
     runner = llm.engine_core.runner
     model = runner.model
     assert (model.fused_stack is not None) == cpu_ops.qgemm_available()
@@ -252,13 +251,7 @@ def test_binding_new_kv_caches_drops_the_fused_stack(tiny_checkpoint_factory) ->
 def test_fused_decode_stack_rejects_a_slot_outside_the_cache(tiny_checkpoint_factory) -> None:
     from izh.model.attention import AttentionMetadata
 
-    llm = LLM(
-        tiny_checkpoint_factory("llama"),
-        dtype="bfloat16",
-        quantization="int4",
-        kv_cache_memory_bytes=4 << 20,
-        show_progress=False,
-    )
+    llm = _int4_llm(tiny_checkpoint_factory("llama"))
     runner = llm.engine_core.runner
     model = runner.model
     num_slots = runner.num_blocks * runner.block_size
@@ -283,13 +276,7 @@ def test_fused_decode_stack_chunks_large_steps_by_sequence(tiny_checkpoint_facto
         pytest.skip("needs AMX (16 decodes in one stack call)")
     from izh.model import fused_stack
 
-    llm = LLM(
-        tiny_checkpoint_factory("llama"),
-        dtype="bfloat16",
-        quantization="int4",
-        kv_cache_memory_bytes=8 << 20,
-        show_progress=False,
-    )
+    llm = _int4_llm(tiny_checkpoint_factory("llama"), kv_cache_memory_bytes=8 << 20)
     stack = llm.engine_core.runner.model.fused_stack
     assert stack is not None
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
