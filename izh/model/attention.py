@@ -203,8 +203,8 @@ _FUSED_CPU_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass(slots=True)
 class _SeqGroup:
-    """Sequences attended in one padded SDPA call (decodes in one group, prefill chunks in another, so
-    that a long chunk does not pad every decode to its length)."""
+    """Sequences attended in one padded SDPA call (the decodes in one group, each prefill chunk in its
+    own, so that a long chunk pads neither the decodes nor another chunk to its length)."""
 
     tokens: slice | Tensor
     """This group's rows of the flat batch."""
@@ -351,9 +351,12 @@ def _build_groups(
     for n in query_lens:
         starts.append(starts[-1] + n)
     decodes = [i for i, n in enumerate(query_lens) if n == 1]
-    prefills = [i for i, n in enumerate(query_lens) if n > 1]
+    # One group per prefill chunk: padded to a batch-mate's length, a chunk's rows would go through
+    # SDPA's kernels with another key count (AVX-512 builds of torch then sum in another order), and
+    # a prompt's logprobs would depend on what it was batched with.
+    prefills = [[i] for i, n in enumerate(query_lens) if n > 1]
     return [
-        _build_group(meta, seqs, starts, block_size, group, device) for seqs in (decodes, prefills) if seqs
+        _build_group(meta, seqs, starts, block_size, group, device) for seqs in (decodes, *prefills) if seqs
     ]
 
 

@@ -1,5 +1,6 @@
 """Decode steps through the whole decoder stack in C: one `izh.kernels.cpu.decode_stack` call per
-`qgemm_max_rows()` sequences (64 with AMX), for steps of up to `MAX_CHUNKS` such calls.
+`qgemm_max_rows()` sequences (64 with AMX) for steps of up to `MAX_CHUNKS` such calls in bfloat16, and one
+call for a float32 decode step of any size (its record matmuls take any number of rows).
 
 A single-stream decode step of a small model on a CPU spends as long in Python between the kernels
 (module calls, views, ctypes, ~80 us a layer) as in the layer's matmuls. When every linear of a Llama-style
@@ -10,23 +11,33 @@ mixed steps, larger decode steps, per-head q/k norms, other backends).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from izh.kernels import cpu as cpu_ops
 from izh.model.attention import AttentionMetadata, PagedTorchAttentionBackend
-from izh.model.quant import Q4Records, Q8Records
+from izh.model.config import ModelConfig
+from izh.model.layers import Linear
+from izh.model.packed import RECORDS_ANY_ROWS, Q4Records, Q8Records
 
 MAX_CHUNKS = 4
 """Decode steps of up to 4 x `qgemm_max_rows()` tokens (256 with AMX) take the stack; larger ones run the
-modules (dense bf16 matmuls). Measured on 2 cores with AMX, SmolLM2 (bench/offline_throughput.py): a
+modules (dense bf16 matmuls). Measured on 2 cores with AMX, SmolLM2 (benchmarks/offline_throughput.py): a
 step of 128 decodes 106 ms chunked vs 148 ms dense, of 256 decodes 205 vs 226 ms."""
 
-if TYPE_CHECKING:
-    from izh.model.layers import Linear
-    from izh.model.llama import DecoderLayer, LlamaForCausalLM
+
+@dataclass(frozen=True, slots=True)
+class StackLayer:
+    """What the stack reads of one decoder layer (the model assembles these: this module knows no model)."""
+
+    input_norm: Tensor
+    post_attention_norm: Tensor
+    kv_cache: Tensor | None
+    linears: tuple[Linear, Linear, Linear, Linear]
+    """qkv_proj, o_proj, gate_up_proj, down_proj, in the table's order."""
 
 
 class FusedDecodeStack:
@@ -36,8 +47,7 @@ class FusedDecodeStack:
     either changes (`LlamaForCausalLM.bind_kv_caches` does).
     """
 
-    def __init__(self, model: LlamaForCausalLM, table: Tensor) -> None:
-        config = model.config
+    def __init__(self, config: ModelConfig, table: Tensor, final_norm: Tensor, kv_cache: Tensor) -> None:
         self.table = table
         self.dims = (
             config.hidden_size,
@@ -48,40 +58,44 @@ class FusedDecodeStack:
         )
         self.eps = config.rms_norm_eps
         self.scale = config.head_dim**-0.5
-        self.final_norm = model.model.norm.weight
-        kv = model.attention_layers()[0].kv_cache
-        assert kv is not None
-        self.kv_geometry = (int(kv.shape[1]), int(kv.shape[2]))
+        self.final_norm = final_norm
+        self.kv_geometry = (int(kv_cache.shape[1]), int(kv_cache.shape[2]))
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM) -> FusedDecodeStack | None:
-        """The stack for `model`, or None when it cannot run fused: not a bfloat16 CPU model, no C kernels
-        here, per-head q/k norms, a linear without izh's records, or no bound KV cache."""
-        config = model.config
-        if model.dtype != torch.bfloat16 or config.qk_norm or not cpu_ops.qgemm_available():
+    def build(
+        cls, config: ModelConfig, dtype: torch.dtype, layers: Sequence[StackLayer], final_norm: Tensor
+    ) -> FusedDecodeStack | None:
+        """The stack for a model's `layers` (in order) and final norm weight, or None when it cannot run
+        fused: not a float32 or bfloat16 CPU model, no C kernels for its dtype here, per-head q/k norms, a
+        linear without izh's records, or no bound KV cache."""
+        if dtype == torch.float32:
+            kernels = cpu_ops.records_f32_available()
+        else:
+            kernels = dtype == torch.bfloat16 and cpu_ops.qgemm_available()
+        if not kernels or config.qk_norm:
             return None
         rows: list[list[int]] = []
-        for module in model.model.layers:
-            layer = cast("DecoderLayer", module)
-            attn, mlp = layer.self_attn, layer.mlp
-            if attn.kv_cache is None or not attn.kv_cache.is_cpu or not attn.kv_cache.is_contiguous():
+        for layer in layers:
+            kv_cache = layer.kv_cache
+            if kv_cache is None or not kv_cache.is_cpu or not kv_cache.is_contiguous():
                 return None
             row = [
-                layer.input_layernorm.weight.data_ptr(),
-                layer.post_attention_layernorm.weight.data_ptr(),
-                attn.kv_cache.data_ptr(),
+                layer.input_norm.data_ptr(),
+                layer.post_attention_norm.data_ptr(),
+                kv_cache.data_ptr(),
             ]
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                fields = _linear_fields(linear)
+            for linear in layer.linears:
+                fields = _linear_fields(linear, dtype)
                 if fields is None:
                     return None
                 row.extend(fields)
             rows.append(row)
-        if not rows or not model.model.norm.weight.is_contiguous():
+        first_cache = layers[0].kv_cache if layers else None
+        if first_cache is None or not final_norm.is_contiguous():
             return None
         table = torch.tensor(rows, dtype=torch.int64)
         assert table.shape[1] == cpu_ops.STACK_FIELDS
-        return cls(model, table)
+        return cls(config, table, final_norm, first_cache)
 
     def applies(self, input_ids: Tensor, attn_metadata: AttentionMetadata, backend: object) -> bool:
         """This step is single-token decodes only, at most `max_tokens`, through the paged CPU backend."""
@@ -93,8 +107,15 @@ class FusedDecodeStack:
 
     @property
     def max_tokens(self) -> int:
-        """Decodes per step it takes: `MAX_CHUNKS` calls of `qgemm_max_rows()` sequences each."""
-        return MAX_CHUNKS * cpu_ops.qgemm_max_rows()
+        """Decodes per step it takes: `MAX_CHUNKS` calls of `qgemm_max_rows()` sequences each in bfloat16;
+        any number in float32."""
+        rows = self.chunk_rows
+        return rows if rows >= RECORDS_ANY_ROWS else MAX_CHUNKS * rows
+
+    @property
+    def chunk_rows(self) -> int:
+        """Sequences per C call: `qgemm_max_rows()` in bfloat16, any number in float32."""
+        return RECORDS_ANY_ROWS if self.final_norm.dtype == torch.float32 else cpu_ops.qgemm_max_rows()
 
     def run(self, hidden_states: Tensor, cos_sin: Tensor, attn_metadata: AttentionMetadata) -> Tensor:
         """Final-normed hidden states for the embeddings `hidden_states` [M, hidden] (overwritten).
@@ -105,7 +126,7 @@ class FusedDecodeStack:
         block_tables = _as(attn_metadata.block_tables, torch.int32)
         seq_lens = _as(attn_metadata.seq_lens, torch.int32)
         num_tokens = hidden_states.shape[0]
-        rows = cpu_ops.qgemm_max_rows()
+        rows = self.chunk_rows
         outs = []
         for a in range(0, num_tokens, rows):
             b = min(a + rows, num_tokens)
@@ -127,13 +148,13 @@ class FusedDecodeStack:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _linear_fields(linear: Linear) -> list[int] | None:
+def _linear_fields(linear: Linear, dtype: torch.dtype) -> list[int] | None:
     """(records pointer, kind 4 or 8, bias pointer or 0) for a linear packed with izh's records."""
     packed = linear.packed
     if not isinstance(packed, Q4Records | Q8Records):
         return None
     bias = linear.bias
-    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+    if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return None
     return [packed.records.data_ptr(), packed.kind, 0 if bias is None else bias.data_ptr()]
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from izh.kernels import cpu as cpu_ops
-from izh.model.quant import PackedWeight
+from izh.model.packed import PackedWeight
 
 
 class RMSNorm(nn.Module):
@@ -66,7 +66,7 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
         self.packed: PackedWeight | None = None
-        """Weight-only int4/int8 copy for batches of <= packed.max_rows rows (izh.model.quant)."""
+        """Weight-only int4/int8 copy for batches of <= packed.max_rows rows (izh.model.packed)."""
 
     def shard_rows(self) -> list[tuple[str | None, int, int]]:
         """(checkpoint shard name or None if unpacked, first row, end row) for each shard."""

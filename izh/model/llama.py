@@ -18,7 +18,7 @@ from izh.model.attention import (
     ReferenceAttentionBackend,
 )
 from izh.model.config import ModelConfig
-from izh.model.fused_stack import FusedDecodeStack
+from izh.model.fused_stack import FusedDecodeStack, StackLayer
 from izh.model.layers import (
     GatedMLP,
     Linear,
@@ -27,7 +27,7 @@ from izh.model.layers import (
     VocabEmbedding,
     apply_rotary_,
 )
-from izh.model.quant import PackedWeight
+from izh.model.packed import PackedWeight
 
 
 class DecoderAttention(nn.Module):
@@ -161,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
             dtype=dtype,
         )
         self.packed_lm_head: PackedWeight | None = None
-        """Weight-only copy of the LM head for small batches (izh.model.quant.pack_model_weights)."""
+        """Weight-only copy of the LM head for small batches (izh.model.packing.pack_model_weights)."""
         self.reference_backend: AttentionBackend = ReferenceAttentionBackend()
         self.paged_backend: AttentionBackend = PagedTorchAttentionBackend()
         self.fused_stack: FusedDecodeStack | None = None
@@ -187,7 +187,19 @@ class LlamaForCausalLM(nn.Module):
         """Run small decode steps through `FusedDecodeStack` from now on, when this model can (packed
         with izh's records, KV caches bound, bfloat16 on a CPU with the C kernels); returns whether it
         will. Call after packing the weights and binding the caches; binding again turns it off."""
-        self.fused_stack = FusedDecodeStack.build(self)
+        layers = []
+        for module in self.model.layers:
+            layer = cast(DecoderLayer, module)
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(
+                StackLayer(
+                    layer.input_layernorm.weight,
+                    layer.post_attention_layernorm.weight,
+                    attn.kv_cache,
+                    (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
+                )
+            )
+        self.fused_stack = FusedDecodeStack.build(self.config, self.dtype, layers, self.model.norm.weight)
         return self.fused_stack is not None
 
     def compute_logits(self, hidden_states: Tensor, out: Tensor | None = None) -> Tensor:

@@ -7,8 +7,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from izh.engine.cuda_graphs import DecodeGraphRunner, decode_batch_sizes
 from izh.kernels import paged_attention as pa
-from izh.kernels.cuda_graphs import DecodeGraphRunner, decode_batch_sizes
 from izh.model.attention import AttentionMetadata
 
 BLOCK_SIZE = 16
@@ -42,12 +42,18 @@ class ToyModel:
         self.kv_cache = kv_cache
         self.attend, self.write = attend, write
 
+    def qkv(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The q/k/v projection of a batch: [n, num_heads + 2 * num_kv_heads, head_dim]."""
+        x = self.embed[input_ids] * (1 + positions[:, None].to(self.embed.dtype) / 64)  # [n, hidden]
+        return (x @ self.w_qkv).view(
+            input_ids.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim
+        )
+
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         n, h, kvh, d = input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        x = self.embed[input_ids] * (1 + positions[:, None].to(self.embed.dtype) / 64)  # [n, hidden]
-        qkv = (x @ self.w_qkv).view(n, h + 2 * kvh, d)
+        qkv = self.qkv(input_ids, positions)
         self.write(qkv[:, h : h + kvh], qkv[:, h + kvh :], self.kv_cache, meta.slot_mapping)
         q = qkv[:, :h]
         attn = self.attend(
@@ -97,7 +103,17 @@ def test_decode_batch_sizes() -> None:
 
 def test_padded_eager_run_equals_unpadded_step_on_cpu() -> None:
     """The padding path without CUDA: same rows out, same cache after, padding rows reset between runs
-    (a batch of 7 then one of 5, both padded to 8, so rows 5..7 must not replay the first batch)."""
+    (a batch of 7 then one of 5, both padded to 8, so rows 5..7 must not replay the first batch).
+
+    Exact: every slot but this step's real ones (padding rows wrote nowhere, no stale row replayed an old
+    slot), and the K/V in the real slots are bit-for-bit rows [:num_seqs] of the padded batch's own
+    projection (the padding path writes what the model computed, no more, no less). Not exact: that
+    projection against the unpadded one. A float32 GEMM's rows depend on the number of rows on CPU too:
+    MKL's sgemm picks its kernel and its split across threads from M (with 2 threads on AVX2, rows 4..6 of
+    a 7-row product differ from the same rows of the 8-row product by an ulp; and even on one thread M <= 3
+    rounds differently from M >= 4), as cuBLAS does on GPU (see test_graph_replay_equals_eager). So the
+    outputs and the real slots' K/V match the eager step within float32's default tolerance (64-term dot
+    products of O(1) terms: a different summation order moves them by a few ulps, ~1e-7)."""
     max_blocks, num_heads = 4, 4
     cache = torch.randn(2, 8 * max_blocks, BLOCK_SIZE, 2, 16)
     eager = ToyModel(cache.clone(), num_heads, reference_attend, pa.write_kv_cache_reference)
@@ -110,6 +126,7 @@ def test_padded_eager_run_equals_unpadded_step_on_cpu() -> None:
         device="cpu",
         use_cuda_graphs=False,
     )
+    h, kvh = num_heads, padded.num_kv_heads
     context_lens = [5, 16, 40, 3, 60, 20, 1, 33]
     batch_sizes = [7, 5, 3]
     for step, num_seqs in enumerate(batch_sizes):
@@ -118,7 +135,18 @@ def test_padded_eager_run_equals_unpadded_step_on_cpu() -> None:
         out = runner.run(input_ids, positions, meta)
         expected = eager(input_ids, positions, meta)
         torch.testing.assert_close(out, expected)
-        assert torch.equal(padded.kv_cache, eager.kv_cache)
+        blocks, offsets = meta.slot_mapping // BLOCK_SIZE, meta.slot_mapping % BLOCK_SIZE
+        real = torch.zeros(cache.shape[1:3], dtype=torch.bool)
+        real[blocks, offsets] = True
+        assert torch.equal(padded.kv_cache[:, ~real], eager.kv_cache[:, ~real])
+        padded_size = next(n for n in runner.batch_sizes if n >= num_seqs)
+        assert padded_size > num_seqs  # every batch here is padded
+        qkv = padded.qkv(runner.input_ids[:padded_size], runner.positions[:padded_size])[:num_seqs]
+        assert torch.equal(padded.kv_cache[0, blocks, offsets], qkv[:, h : h + kvh])
+        assert torch.equal(padded.kv_cache[1, blocks, offsets], qkv[:, h + kvh :])
+        torch.testing.assert_close(padded.kv_cache[:, real], eager.kv_cache[:, real])
+        # The next step starts from the same cache, so that again only its own real slots may differ.
+        padded.kv_cache.copy_(eager.kv_cache)
         context_lens = [c + 1 for c in context_lens[:num_seqs]] + context_lens[num_seqs:]
         # The sequences that leave the batch free their blocks, which get reused: a stale padding row
         # replaying its old slot would overwrite the new owner's K/V.

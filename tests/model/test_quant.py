@@ -1,6 +1,9 @@
-"""Weight-only packed matmuls (izh.model.quant): formats, the auto policy, and the engine using them."""
+"""Weight-only packed matmuls: the formats (izh.model.packed), the packing pass and auto policy
+(izh.model.packing), and the engine using them."""
 
 from __future__ import annotations
+
+import itertools
 
 import gguf
 import numpy as np
@@ -12,18 +15,17 @@ from izh.kernels import cpu as cpu_ops
 from izh.llm import LLM
 from izh.model.layers import Linear
 from izh.model.loader import checkpoint_quant_types, load_model
-from izh.model.quant import (
+from izh.model.packed import (
     Int4Weight,
     Int8Weight,
     Q4Records,
     Q8Records,
-    pack_model_weights,
     quantize_int4,
     quantize_int8,
     quantize_q4_records,
     quantize_q8_records,
-    resolve_quantization,
 )
+from izh.model.packing import pack_model_weights, resolve_quantization
 from izh.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -48,14 +50,14 @@ def _q4_1_values(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return _gguf_values(rows, cols, "Q4_1", seed)
 
 
-def _int4_llm(path: str, kv_cache_memory_bytes: int = 4 << 20) -> LLM:
-    """A bfloat16 engine with every linear packed as int4 (explicitly, so float checkpoints too)."""
+def _int4_llm(path: str, kv_cache_memory_bytes: int = 4 << 20, dtype: str = "bfloat16") -> LLM:
+    """An engine (bfloat16 unless said) with every linear packed as int4 (explicitly, so float checkpoints
+    too)."""
     return LLM(
         path,
-        dtype="bfloat16",
+        dtype=dtype,
         quantization="int4",
         kv_cache_memory_bytes=kv_cache_memory_bytes,
-        show_progress=False,
     )
 
 
@@ -105,12 +107,21 @@ def test_resolve_quantization_policy() -> None:
     gguf_q4 = {"model.layers.0.mlp.up_proj.weight": "Q4_1"}
     bf16, fp32 = torch.bfloat16, torch.float32
     assert resolve_quantization("auto", device=CPU, dtype=bf16, source_types=gguf_q4) == "int4"
-    assert resolve_quantization("auto", device=CPU, dtype=fp32, source_types=gguf_q4) == "none"
     assert resolve_quantization("auto", device=CPU, dtype=bf16, source_types={}) == "none"
     assert resolve_quantization("none", device=CPU, dtype=bf16, source_types=gguf_q4) == "none"
     assert resolve_quantization("int8", device=CPU, dtype=bf16, source_types={}) == "int8"
-    with pytest.raises(ModelLoadError, match=r"--dtype bfloat16 or --quantization none"):
-        resolve_quantization("int4", device=CPU, dtype=fp32, source_types={})
+    assert resolve_quantization("auto", device=CPU, dtype=fp32, source_types={}) == "none"
+    # float32 packs on every CPU where izh's C kernels run (every variant has the float32 records) ...
+    with cpu_ops.use_variant("generic"):
+        assert resolve_quantization("auto", device=CPU, dtype=fp32, source_types=gguf_q4) == "int4"
+        assert resolve_quantization("int8", device=CPU, dtype=fp32, source_types={}) == "int8"
+    # ... and not without them.
+    with cpu_ops.use_variant("off"):
+        assert resolve_quantization("auto", device=CPU, dtype=fp32, source_types=gguf_q4) == "none"
+        with pytest.raises(ModelLoadError, match=r"float32 needs izh's C kernels.*--quantization none"):
+            resolve_quantization("int4", device=CPU, dtype=fp32, source_types={})
+    with pytest.raises(ModelLoadError, match=r"cuda, float32.*--quantization none"):
+        resolve_quantization("int4", device=torch.device("cuda"), dtype=fp32, source_types={})
     with pytest.raises(ModelLoadError, match="unknown quantization 'int3'"):
         resolve_quantization("int3", device=CPU, dtype=bf16, source_types={})
 
@@ -147,19 +158,23 @@ def test_small_batches_use_the_packed_weights_and_stay_close_to_dense(tiny_gguf_
     assert torch.allclose(small.float(), big[:rows].float(), rtol=0.05, atol=0.02)
 
 
-def test_engine_picks_bfloat16_and_int4_for_a_q4_gguf_and_generates_like_dense(tiny_gguf_factory) -> None:
+def test_engine_picks_the_fast_dtype_and_int4_for_a_q4_gguf_and_generates_like_dense(
+    tiny_gguf_factory,
+) -> None:
+    """auto: bfloat16 where izh's bfloat16 record kernels run (AVX512-BF16), float32 elsewhere (never an
+    emulated bfloat16); int4 either way, on every CPU with the C kernels."""
     path = tiny_gguf_factory("llama", "Q4_1")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
     prompt = [{"prompt_token_ids": [5, 17, 33, 9, 61, 2]}]
-    auto = LLM(path, kv_cache_memory_bytes=4 << 20, show_progress=False)
+    auto = LLM(path, kv_cache_memory_bytes=4 << 20)
     runner = auto.engine_core.runner
-    assert (runner.dtype, runner.quantization) == (torch.bfloat16, "int4")
-    dense = LLM(
-        path, kv_cache_memory_bytes=4 << 20, show_progress=False, quantization="none", dtype="bfloat16"
-    )
+    expected = torch.bfloat16 if cpu_ops.qgemm_available() else torch.float32
+    assert (runner.dtype, runner.quantization) == (expected, "int4")
+    dtype = str(expected).removeprefix("torch.")
+    dense = LLM(path, kv_cache_memory_bytes=4 << 20, quantization="none", dtype=dtype)
     assert dense.engine_core.runner.quantization == "none"
-    fp32 = LLM(path, kv_cache_memory_bytes=4 << 20, show_progress=False, dtype="float32")
-    assert (fp32.engine_core.runner.dtype, fp32.engine_core.runner.quantization) == (torch.float32, "none")
+    fp32 = LLM(path, kv_cache_memory_bytes=4 << 20, dtype="float32")
+    assert (fp32.engine_core.runner.dtype, fp32.engine_core.runner.quantization) == (torch.float32, "int4")
     packed_out = auto.generate(prompt, params)[0].outputs[0]
     dense_out = dense.generate(prompt, params)[0].outputs[0]
     assert len(packed_out.token_ids) == 8
@@ -168,6 +183,27 @@ def test_engine_picks_bfloat16_and_int4_for_a_q4_gguf_and_generates_like_dense(t
     assert packed_out.logprobs[0].chosen.logprob == pytest.approx(
         dense_out.logprobs[0].chosen.logprob, abs=0.1
     )
+
+
+def test_float32_records_serve_every_step_and_replace_the_dense_weights(tiny_gguf_factory) -> None:
+    """float32 records take prefills too, so the dense weights are freed; a row's result does not depend
+    on its batch, so tokens are the same whether prompts run together or one at a time."""
+    path = tiny_gguf_factory("llama", "Q4_1")
+    llm = LLM(path, kv_cache_memory_bytes=8 << 20, dtype="float32")
+    model = llm.engine_core.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.packed, Q4Records | Q8Records) for m in linears)
+    assert all(m.weight.numel() == 0 for m in linears)  # dense copies dropped
+    assert isinstance(model.packed_lm_head, Q8Records)
+    assert model.fused_stack is not None and model.fused_stack.max_tokens > 4096
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": [3 + i, 40, 7 * i % 500, 11, 90][: 2 + i % 4]} for i in range(7)]
+    together = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, together, strict=True):
+        llm.engine_core.reset_prefix_cache()
+        alone = llm.generate([prompt], params)[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+        assert alone.outputs[0].logprobs == out.outputs[0].logprobs
 
 
 @needs_records
@@ -213,14 +249,17 @@ def test_fused_decode_stack_gives_the_module_path_tokens(tiny_checkpoint_factory
     runs the small decode steps and gives exactly the modules' tokens and logprobs; Qwen3 (q/k norm)
     keeps the modules."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
-    # 12 sequences where the stack takes them (AMX: over 4 rows run there), else 6 (AVX-512 only).
-    count = 12 if cpu_ops.qgemm_max_rows() >= 12 else 6
-    prompts = [{"prompt_token_ids": [5 + i, 17, 33 * i % 500, 9, 61, 2][: 3 + i % 4]} for i in range(count)]
-    for kind in ("llama3", "qwen2", "qwen3"):
-        llm = _int4_llm(tiny_checkpoint_factory(kind))
+    for dtype, kind in itertools.product(("bfloat16", "float32"), ("llama3", "qwen2", "qwen3")):
+        # 12 sequences where the stack takes them (float32, or AMX), else 6 (AVX-512 only).
+        count = 12 if dtype == "float32" or cpu_ops.qgemm_max_rows() >= 12 else 6
+        prompts = [
+            {"prompt_token_ids": [5 + i, 17, 33 * i % 500, 9, 61, 2][: 3 + i % 4]} for i in range(count)
+        ]
+        llm = _int4_llm(tiny_checkpoint_factory(kind), dtype=dtype)
         model = llm.engine_core.runner.model
         fused = model.fused_stack
-        if kind == "qwen3" or not cpu_ops.qgemm_available():
+        kernels = cpu_ops.records_f32_available() if dtype == "float32" else cpu_ops.qgemm_available()
+        if kind == "qwen3" or not kernels:
             assert fused is None
             continue
         assert fused is not None
@@ -237,14 +276,16 @@ def test_fused_decode_stack_gives_the_module_path_tokens(tiny_checkpoint_factory
             assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
-def test_binding_new_kv_caches_drops_the_fused_stack(tiny_checkpoint_factory) -> None:
-    llm = _int4_llm(tiny_checkpoint_factory("llama"))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_binding_new_kv_caches_drops_the_fused_stack(tiny_checkpoint_factory, dtype: str) -> None:
+    llm = _int4_llm(tiny_checkpoint_factory("llama"), dtype=dtype)
     runner = llm.engine_core.runner
     model = runner.model
-    assert (model.fused_stack is not None) == cpu_ops.qgemm_available()
+    kernels = cpu_ops.records_f32_available() if dtype == "float32" else cpu_ops.qgemm_available()
+    assert (model.fused_stack is not None) == kernels
     model.bind_kv_caches(runner.kv_caches)
     assert model.fused_stack is None
-    assert model.prepare_fused_decode() == cpu_ops.qgemm_available()
+    assert model.prepare_fused_decode() == kernels
 
 
 @needs_records

@@ -1,4 +1,4 @@
-"""Weight-only int4 / int8 matmuls for small CPU batches.
+"""Weight-only int4 / int8 formats for small CPU batches, and packing one weight into them.
 
 Decoding a few sequences on a CPU is bound by reading the weights from memory, not by arithmetic: every
 step streams all of them once. Packed 4-bit weights are a quarter of bfloat16's bytes, so weight-only
@@ -17,37 +17,24 @@ Two kernel families, chosen at load time:
 - PyTorch's (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) otherwise: int4 in the same groups
   (w = (q - 8) * scale + zero, scales and zeros [in / group_size, out, 2]) and int8 per output row.
 
-A GGUF Q4_0 / Q4_1 tensor is exactly such an int4 tensor (group 32), so re-quantizing its dequantized
-values by each group's min and max recovers the file's own 4-bit codes; likewise a Q8_0 tensor's codes by
-each group's largest magnitude. For those models the packed path loses nothing beyond rounding the scales
-to bfloat16.
-"""
+This module knows tensors only; the pass that packs a whole model's linears is `izh.model.packing`."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from izh.errors import ModelLoadError
 from izh.kernels import cpu as cpu_ops
 
-if TYPE_CHECKING:
-    from izh.model.llama import LlamaForCausalLM
-
-logger = logging.getLogger(__name__)
-
+RECORDS_ANY_ROWS = 1 << 62
+"""`max_rows` of float32 records: they take every step, prefills included (the dense weight is dropped)."""
 TORCH_PACKED_MAX_ROWS = 8
 """Rows (tokens) up to which PyTorch's packed kernels beat the dense bfloat16 matmul (measured on AVX-512/AMX,
 2 cores: 16 is slower). izh's records go further where AMX runs them (`cpu_ops.qgemm_max_rows()`: 64)."""
 INT4_GROUP_SIZE = 32
-QUANTIZATION_MODES = ("auto", "none", "int4", "int8")
-
-# GGUF tensor types whose values are exactly int4 with group 32 (see the module docstring).
-_GGUF_INT4_TYPES = frozenset({"Q4_0", "Q4_1"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +83,7 @@ class _Records:
     out_features: int
     in_features: int
     max_rows: int
-    """`cpu_ops.qgemm_max_rows()`: 64 with AMX, else 8."""
+    """bfloat16: `cpu_ops.qgemm_max_rows()` (64 with AMX, else 8); float32: `RECORDS_ANY_ROWS`."""
     kind: ClassVar[int]
     """4 or 8: the record format, as the fused decode stack's table names it."""
 
@@ -112,7 +99,8 @@ class Q4Records(_Records):
     kind: ClassVar[int] = 4
 
     def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        """x [M, in] bf16 -> new bf16 [M, out], or into out[:M] (float32 or bfloat16)."""
+        """x [M, in] -> new [M, out] in x's dtype (bfloat16 or float32), or into out[:M] (float32, or
+        bfloat16 for bfloat16 x)."""
         return cpu_ops.q4_matmul(x, self.records, self.out_features, self.in_features, out)
 
 
@@ -173,21 +161,29 @@ def quantize_int8(weight: Tensor) -> Int8Weight:
 
 
 def records_supported(weight: Tensor) -> bool:
-    """izh's record kernels run here and take this shape (out % 16 == 0, in % 32 == 0)."""
+    """izh's record kernels run here for this weight's dtype and take this shape (out % 16 == 0, in %
+    32 == 0): bfloat16 with the AVX512-BF16 kernels (`qgemm_available`), float32 with the int8-activation
+    kernels every variant has (`records_f32_available`)."""
     out_features, in_features = weight.shape
-    return (
-        out_features % 16 == 0
-        and in_features % cpu_ops.QGEMM_GROUP == 0
-        and weight.device.type == "cpu"
-        and cpu_ops.qgemm_available()
-    )
+    if out_features % 16 or in_features % cpu_ops.QGEMM_GROUP or weight.device.type != "cpu":
+        return False
+    if weight.dtype == torch.float32:
+        return cpu_ops.records_f32_available()
+    return weight.dtype == torch.bfloat16 and cpu_ops.qgemm_available()
+
+
+def _records_max_rows(dtype: torch.dtype) -> int:
+    """bfloat16 records serve up to `qgemm_max_rows()` rows (the dense matmul is faster above); float32
+    records serve every step (`RECORDS_ANY_ROWS`)."""
+    return RECORDS_ANY_ROWS if dtype == torch.float32 else cpu_ops.qgemm_max_rows()
 
 
 def quantize_q4_records(weight: Tensor) -> Q4Records:
     """izh's int4 records of a [out, in] weight (groups of 32, scale and minimum per group)."""
     codes, scale, low = int4_groups(weight, cpu_ops.QGEMM_GROUP)
     out_features, in_features = weight.shape
-    return Q4Records(cpu_ops.pack_q4(codes, scale, low), out_features, in_features, cpu_ops.qgemm_max_rows())
+    records = cpu_ops.pack_q4(codes, scale, low)
+    return Q4Records(records, out_features, in_features, _records_max_rows(weight.dtype))
 
 
 def quantize_q8_records(weight: Tensor) -> Q8Records:
@@ -198,80 +194,4 @@ def quantize_q8_records(weight: Tensor) -> Q8Records:
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = (groups / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
     records = cpu_ops.pack_q8(codes.reshape(out_features, in_features), scale)
-    return Q8Records(records, out_features, in_features, cpu_ops.qgemm_max_rows())
-
-
-def _pack_int4(weight: Tensor) -> PackedWeight:
-    return quantize_q4_records(weight) if records_supported(weight) else quantize_int4(weight)
-
-
-def _pack_int8(weight: Tensor) -> PackedWeight:
-    return quantize_q8_records(weight) if records_supported(weight) else quantize_int8(weight)
-
-
-def resolve_quantization(
-    mode: str, *, device: torch.device, dtype: torch.dtype, source_types: dict[str, str]
-) -> str:
-    """The mode actually used: "none", "int4" or "int8".
-
-    auto packs only what the checkpoint already stores quantized (a GGUF with Q4/Q8 tensors), and only
-    where the kernels exist and pay off (CPU, bfloat16 activations). An explicit int4 / int8 packs every
-    linear (lossy for a float checkpoint) and needs the same conditions. `source_types` holds the
-    checkpoint's quantized tensors only (`izh.model.loader.checkpoint_quant_types`).
-    """
-    if mode not in QUANTIZATION_MODES:
-        raise ModelLoadError(f"unknown quantization {mode!r}; supported: {', '.join(QUANTIZATION_MODES)}")
-    if mode == "none":
-        return "none"
-    usable = device.type == "cpu" and dtype == torch.bfloat16
-    if mode == "auto":
-        return "int4" if usable and source_types else "none"
-    if not usable:
-        raise ModelLoadError(
-            f"quantization {mode} runs on CPU with bfloat16 activations (this engine: {device.type}, "
-            f"{str(dtype).removeprefix('torch.')}); pass --dtype bfloat16 or --quantization none"
-        )
-    return mode
-
-
-def pack_model_weights(
-    model: LlamaForCausalLM, mode: str, source_types: dict[str, str], *, requested: str
-) -> int:
-    """Give every Linear (and the LM head) packed weights for small batches; returns the bytes added.
-
-    With mode "int4", a linear is packed as int4 when int4 was asked for explicitly, or (auto) when its
-    checkpoint tensors are all GGUF Q4_0 / Q4_1, which int4 holds exactly; any other linear, a shape the
-    int4 kernel cannot take, and the LM head (which decides the sampled token) get int8: per group of 32
-    with izh's kernels (exact for a GGUF Q8_0 tensor), per row with PyTorch's.
-    """
-    from izh.model.weights import linear_checkpoint_names
-
-    if mode == "none":
-        return 0
-    head = model.lm_head
-    added = 0
-    for linear, names in linear_checkpoint_names(model).items():
-        if linear is head:
-            continue
-        exact = {source_types.get(name, "F32") for name in names} <= _GGUF_INT4_TYPES
-        want_int4 = mode == "int4" and (requested == "int4" or exact)
-        packed: PackedWeight
-        if want_int4 and int4_supported(linear.weight):
-            packed = _pack_int4(linear.weight)
-        else:
-            packed = _pack_int8(linear.weight)
-        linear.packed = packed
-        added += packed.nbytes
-    head_weight = head.weight if head is not None else model.model.embed_tokens.weight
-    lm_head_packed = _pack_int8(head_weight)
-    model.packed_lm_head = lm_head_packed
-    added += lm_head_packed.nbytes
-    records = cpu_ops.qgemm_available()
-    logger.info(
-        "packed %s weights for batches of <= %d rows (%s kernels): %.1f MB",
-        mode,
-        cpu_ops.qgemm_max_rows() if records else TORCH_PACKED_MAX_ROWS,
-        "izh" if records else "torch",
-        added / 1e6,
-    )
-    return added
+    return Q8Records(records, out_features, in_features, _records_max_rows(weight.dtype))

@@ -1,0 +1,464 @@
+/* Paged decode attention, float32 and bfloat16.
+ * See common.h for the conventions, izh/kernels/cpu/ops.py for the contract. */
+#include "common.h"
+
+/* Work (sum of seq_len * num_heads * head_dim) below which attention stays on the calling thread: about
+ * 100 us of single-thread work; below that a second thread buys little and costs a wake-up. */
+#define PAR_MIN_ATTN (1 << 19)
+
+/* Paged decode attention: one query token per sequence, work item = (sequence, kv head). Each thread
+ * has one scratch buffer (floats): scores [group * seq_len], value accumulators [group * d padded to a
+ * multiple of 32], 1/sum [group]. head_dim <= 32 * MAX_NC (the Python side checks). */
+
+/* Softmax over each head's scores in place, unnormalised (exp(s - max)); inv[hh] = 1 / sum. */
+INLINE FAST_FP void softmax_rows(float *restrict sc, float *restrict inv, int64_t group, int64_t L) {
+    for (int64_t hh = 0; hh < group; hh++) {
+        float *restrict sh = sc + hh * L;
+        float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int64_t p = 0; p < L; p++) m = sh[p] > m ? sh[p] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t p = 0; p < L; p++) {
+            float e = exp_f32(sh[p] - m);
+            sh[p] = e;
+            sum += e;
+        }
+        inv[hh] = 1.0f / sum;
+    }
+}
+
+/* One (sequence, KV head) item, in GCC vector extensions: 16 fp32 lanes (one AVX-512 register, two AVX2
+ * ones), no intrinsics. D is a compile-time constant for the common head sizes (64, 128).
+ *  - Rows load 32 elements at a time as two vectors (a last partial chunk through a zero-padded copy).
+ *    bf16 is widened without shuffles: 16 uint32 lanes hold element pairs, `u << 16` is the even
+ *    elements and `u & 0xFFFF0000` the odd ones; q and the value accumulators use the same (even, odd)
+ *    order, restored when the output is stored.
+ *  - Scores are taken 16 positions at a time (across KV blocks): 16 lane-wise products, then one
+ *    shuffle tree sums all 16 (31 shuffles instead of 64 for separate horizontal sums).
+ *  - Values: per 16 positions, per head, the D accumulators stay in registers. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+#define MAX_NC 16 /* D <= 512 */
+#define ATTN_DP_MAX_GROUP 8 /* query heads per KV head on the vdpbf16ps score path */
+
+INLINE void ld32(const void *p, int64_t c, const int bf, v16f *a, v16f *b) {
+    if (bf) {
+        v16u u, hi = {0};
+        memcpy(&u, (const uint16_t *)p + 32 * c, sizeof u);
+        hi += 0xFFFF0000u;
+        *a = (v16f)(u << 16);
+        *b = (v16f)(u & hi);
+    } else {
+        memcpy(a, (const float *)p + 32 * c, sizeof *a);
+        memcpy(b, (const float *)p + 32 * c + 16, sizeof *b);
+    }
+}
+
+/* ld32 of chunk c of a D-element row; the last chunk may be partial (zero-padded, nothing read past D). */
+INLINE void ld32_row(const void *p, int64_t c, int64_t D, const int bf, v16f *a, v16f *b) {
+    const int64_t nv = D - 32 * c;
+    if (nv >= 32) {
+        ld32(p, c, bf, a, b);
+    } else {
+        float tmp[32] = {0};
+        memcpy(tmp, off(p, 32 * c, bf), (size_t)nv * (bf ? 2 : 4));
+        ld32(tmp, 0, bf, a, b);
+    }
+}
+
+/* Stores a * scale, b * scale as chunk c of a D-element row, undoing ld32's element order. */
+INLINE void st32_row(void *p, int64_t c, int64_t D, v16f a, v16f b, float scale, const int bf) {
+    const int64_t nv = D - 32 * c;
+    for (int l = 0; l < 16; l++) {
+        const int64_t ea = bf ? 2 * l : l, eb = bf ? 2 * l + 1 : 16 + l;
+        if (ea < nv) st(p, 32 * c + ea, a[l] * scale, bf);
+        if (eb < nv) st(p, 32 * c + eb, b[l] * scale, bf);
+    }
+}
+
+/* out[o] = sum of the lanes of a[o], for 16 vectors. */
+INLINE v16f sum16(v16f *a) {
+    const v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16i hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const v16i lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const v16i hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const v16i lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const v16i hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const v16i lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const v16i hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    /* after the four levels lane L holds the sum of a[bitreverse4(L)] */
+    const v16i rev = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    v16f b[8], c[4], d[2];
+    for (int k = 0; k < 8; k++)
+        b[k] = __builtin_shuffle(a[2 * k], a[2 * k + 1], lo8) + __builtin_shuffle(a[2 * k], a[2 * k + 1], hi8);
+    for (int k = 0; k < 4; k++)
+        c[k] = __builtin_shuffle(b[2 * k], b[2 * k + 1], lo4) + __builtin_shuffle(b[2 * k], b[2 * k + 1], hi4);
+    for (int k = 0; k < 2; k++)
+        d[k] = __builtin_shuffle(c[2 * k], c[2 * k + 1], lo2) + __builtin_shuffle(c[2 * k], c[2 * k + 1], hi2);
+    v16f e = __builtin_shuffle(d[0], d[1], lo1) + __builtin_shuffle(d[0], d[1], hi1);
+    return __builtin_shuffle(e, rev);
+}
+
+/* The cache row of position p (KV head g) through the sequence's block table. */
+INLINE const void *kv_row(const void *cache, const int32_t *blocks, int64_t p, int64_t block_size, int64_t kvh,
+                          int64_t g, int64_t D, const int bf) {
+    const int64_t b = p / block_size;
+    return off(cache, (((int64_t)blocks[b] * block_size + (p - b * block_size)) * kvh + g) * D, bf);
+}
+
+/* Pointers to the rows of positions p0 .. p0+m-1 (KV head g) through the block table, m = min(16, L - p0);
+ * returns m (0 past the end). Each row is prefetched: the rows are used one chunk later. */
+INLINE int64_t row_ptrs(const void **rows, const void *cache, const int32_t *blocks, int64_t p0, int64_t L,
+                        int64_t block_size, int64_t kvh, int64_t g, int64_t D, const int bf) {
+    const int64_t m = p0 >= L ? 0 : (L - p0 < 16 ? L - p0 : 16);
+    const int64_t row_bytes = D * (bf ? 2 : 4);
+    int64_t b = p0 / block_size, o = p0 - b * block_size;
+    for (int64_t k = 0; k < m; k++) {
+        rows[k] = off(cache, (((int64_t)blocks[b] * block_size + o) * kvh + g) * D, bf);
+        for (int64_t x = 0; x < row_bytes; x += 64) __builtin_prefetch((const char *)rows[k] + x);
+        if (++o == block_size) {
+            o = 0;
+            b++;
+        }
+    }
+    return m;
+}
+
+/* Prefetch into L2 the rows of positions p0 .. p0+15 (KV head g), well ahead of row_ptrs's L1 prefetch:
+ * one chunk ahead is too close to hide DRAM latency with the few L1 fill buffers a core has. */
+#define ATTN_L2_AHEAD 128
+INLINE void prefetch_rows_l2(const void *cache, const int32_t *blocks, int64_t p0, int64_t L, int64_t block_size,
+                             int64_t kvh, int64_t g, int64_t D, const int bf) {
+    const int64_t end = p0 + 16 < L ? p0 + 16 : L;
+    const int64_t row_bytes = D * (bf ? 2 : 4);
+    for (int64_t p = p0; p < end; p++) {
+        const char *row = (const char *)kv_row(cache, blocks, p, block_size, kvh, g, D, bf);
+        for (int64_t x = 0; x < row_bytes; x += 64) __builtin_prefetch(row + x, 0, 2);
+    }
+}
+
+INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q_ts, int64_t q_hs,
+                                  const void *kc, const void *vc, int64_t block_size, int64_t kvh,
+                                  const int32_t *bt, int64_t max_blocks, int64_t L, void *out, int64_t H,
+                                  const int64_t D, float scale, float *buf, const int bf) {
+    const int64_t group = H / kvh, NC = (D + 31) / 32, DP = NC * 32; /* DP: D padded */
+    float *restrict sc = buf;
+    float *restrict acc = sc + group * L;
+    float *restrict inv = acc + group * DP;
+    const int32_t *blocks = bt + i * max_blocks;
+    const void *rows[2][16];
+
+    if (L <= 0) {
+        for (int64_t hh = 0; hh < group; hh++)
+            for (int64_t j = 0; j < D; j++) st(out, (i * H + g * group + hh) * D + j, 0.0f, bf);
+        return;
+    }
+    int64_t m = row_ptrs(rows[0], kc, blocks, 0, L, block_size, kvh, g, D, bf);
+#if HAVE_DPBF16
+    /* bf16 rows of whole 32-element chunks: q . k straight from bf16 by vdpbf16ps (exact products, fp32
+     * sums), each K row loaded once for all the query heads sharing it. */
+    if (bf && D % 32 == 0 && group <= ATTN_DP_MAX_GROUP) {
+        __m512bh qv[ATTN_DP_MAX_GROUP][MAX_NC];
+        for (int64_t hh = 0; hh < group; hh++) {
+            const uint16_t *qp = (const uint16_t *)q + i * q_ts + (g * group + hh) * q_hs;
+            for (int64_t c = 0; c < NC; c++) qv[hh][c] = (__m512bh)_mm512_loadu_si512(qp + 32 * c);
+        }
+        v16f a[ATTN_DP_MAX_GROUP][16];
+        for (int64_t p0 = 0, cur = 0; p0 < L; p0 += 16, cur ^= 1) {
+            const void **rk = rows[cur];
+            const int64_t m_next = row_ptrs(rows[cur ^ 1], kc, blocks, p0 + 16, L, block_size, kvh, g, D, bf);
+            prefetch_rows_l2(kc, blocks, p0 + ATTN_L2_AHEAD, L, block_size, kvh, g, D, bf);
+            for (int64_t o = 0; o < 16; o++) {
+                if (o >= m) {
+                    for (int64_t hh = 0; hh < group; hh++) a[hh][o] = (v16f){0};
+                    continue;
+                }
+                __m512bh kv[MAX_NC];
+                for (int64_t c = 0; c < NC; c++)
+                    kv[c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)rk[o] + 32 * c);
+                for (int64_t hh = 0; hh < group; hh++) {
+                    __m512 x = _mm512_setzero_ps();
+                    for (int64_t c = 0; c < NC; c++) x = _mm512_dpbf16_ps(x, qv[hh][c], kv[c]);
+                    a[hh][o] = (v16f)x;
+                }
+            }
+            for (int64_t hh = 0; hh < group; hh++) {
+                v16f sums = sum16(a[hh]) * scale;
+                float *sh = sc + hh * L + p0;
+                if (m == 16)
+                    memcpy(sh, &sums, sizeof sums);
+                else
+                    for (int64_t o = 0; o < m; o++) sh[o] = sums[o];
+            }
+            m = m_next;
+        }
+    } else
+#endif
+    for (int64_t p0 = 0, cur = 0; p0 < L; p0 += 16, cur ^= 1) {
+        const void **rk = rows[cur];
+        const int64_t m_next = row_ptrs(rows[cur ^ 1], kc, blocks, p0 + 16, L, block_size, kvh, g, D, bf);
+        prefetch_rows_l2(kc, blocks, p0 + ATTN_L2_AHEAD, L, block_size, kvh, g, D, bf);
+        for (int64_t hh = 0; hh < group; hh++) {
+            const void *qp = off(q, i * q_ts + (g * group + hh) * q_hs, bf);
+            v16f qa[MAX_NC], qb[MAX_NC], a[16];
+            for (int64_t c = 0; c < NC; c++) ld32_row(qp, c, D, bf, &qa[c], &qb[c]);
+            for (int64_t o = 0; o < 16; o++) {
+                v16f x = {0}, ka, kb;
+                if (o < m)
+                    for (int64_t c = 0; c < NC; c++) {
+                        ld32_row(rk[o], c, D, bf, &ka, &kb);
+                        x += qa[c] * ka + qb[c] * kb;
+                    }
+                a[o] = x;
+            }
+            v16f sums = sum16(a) * scale;
+            float *sh = sc + hh * L + p0;
+            if (m == 16)
+                memcpy(sh, &sums, sizeof sums);
+            else
+                for (int64_t o = 0; o < m; o++) sh[o] = sums[o];
+        }
+        m = m_next;
+    }
+    softmax_rows(sc, inv, group, L);
+    for (int64_t j = 0; j < group * DP; j++) acc[j] = 0.0f;
+    m = row_ptrs(rows[0], vc, blocks, 0, L, block_size, kvh, g, D, bf);
+    for (int64_t p0 = 0, cur = 0; p0 < L; p0 += 16, cur ^= 1) {
+        const void **rv = rows[cur];
+        const int64_t m_next = row_ptrs(rows[cur ^ 1], vc, blocks, p0 + 16, L, block_size, kvh, g, D, bf);
+        prefetch_rows_l2(vc, blocks, p0 + ATTN_L2_AHEAD, L, block_size, kvh, g, D, bf);
+        for (int64_t hh = 0; hh < group; hh++) {
+            /* two accumulator sets (even / odd positions) halve the FMA dependency chains */
+            v16f aa[2][MAX_NC], ab[2][MAX_NC];
+            float *ah = acc + hh * DP;
+            for (int64_t c = 0; c < NC; c++) {
+                memcpy(&aa[0][c], ah + 32 * c, sizeof aa[0][c]);
+                memcpy(&ab[0][c], ah + 32 * c + 16, sizeof ab[0][c]);
+                aa[1][c] = (v16f){0};
+                ab[1][c] = (v16f){0};
+            }
+            const float *wh = sc + hh * L + p0;
+            int64_t o = 0;
+            for (; o + 1 < m; o += 2) {
+                const float w0 = wh[o], w1 = wh[o + 1];
+                for (int64_t c = 0; c < NC; c++) {
+                    v16f va, vb;
+                    ld32_row(rv[o], c, D, bf, &va, &vb);
+                    aa[0][c] += w0 * va;
+                    ab[0][c] += w0 * vb;
+                    ld32_row(rv[o + 1], c, D, bf, &va, &vb);
+                    aa[1][c] += w1 * va;
+                    ab[1][c] += w1 * vb;
+                }
+            }
+            if (o < m)
+                for (int64_t c = 0; c < NC; c++) {
+                    v16f va, vb;
+                    ld32_row(rv[o], c, D, bf, &va, &vb);
+                    aa[0][c] += wh[o] * va;
+                    ab[0][c] += wh[o] * vb;
+                }
+            for (int64_t c = 0; c < NC; c++) {
+                v16f sa = aa[0][c] + aa[1][c], sb = ab[0][c] + ab[1][c];
+                memcpy(ah + 32 * c, &sa, sizeof sa);
+                memcpy(ah + 32 * c + 16, &sb, sizeof sb);
+            }
+        }
+        m = m_next;
+    }
+    for (int64_t hh = 0; hh < group; hh++) {
+        void *oh = off(out, (i * H + g * group + hh) * D, bf);
+        for (int64_t c = 0; c < NC; c++) {
+            v16f aa, ab;
+            memcpy(&aa, acc + hh * DP + 32 * c, sizeof aa);
+            memcpy(&ab, acc + hh * DP + 32 * c + 16, sizeof ab);
+            st32_row(oh, c, D, aa, ab, inv[hh], bf);
+        }
+    }
+}
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#define ATTN_AVX2 1
+/* float32 items on AVX2 (8 lanes): the 16-lane vector code above compiles into shuffles there. Scores 8
+ * positions at a time (8 dot products, then one horizontal-add tree), values per head in chunks of 64
+ * elements held in 8 registers. Same arithmetic as the reference up to summation order. D % 8 == 0. */
+INLINE __m256 attn_hsum8(const __m256 *a) {
+    const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
+    /* lo = [a0..a3 of the low halves | a0..a3 of the high halves], hi likewise for a4..a7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int64_t g, const float *q, int64_t q_ts,
+                                                                 int64_t q_hs, const float *kc, const float *vc,
+                                                                 int64_t block_size, int64_t kvh, const int32_t *bt,
+                                                                 int64_t max_blocks, int64_t L, float *out,
+                                                                 int64_t H, const int64_t D, float scale,
+                                                                 float *buf) {
+    const int64_t group = H / kvh, NC = D / 8;
+    float *restrict sc = buf;
+    float *restrict inv = sc + group * L;
+    const int32_t *blocks = bt + i * max_blocks;
+    if (L <= 0) {
+        for (int64_t hh = 0; hh < group; hh++)
+            for (int64_t j = 0; j < D; j++) out[(i * H + g * group + hh) * D + j] = 0.0f;
+        return;
+    }
+    const float *rows[8];
+    float zero[512] __attribute__((aligned(32))); /* the rows past L of a last partial chunk */
+    if (L % 8) memset(zero, 0, sizeof(float) * (size_t)D);
+    for (int64_t p0 = 0; p0 < L; p0 += 8) {
+        const int64_t m = L - p0 < 8 ? L - p0 : 8;
+        for (int64_t o = 0; o < 8; o++)
+            rows[o] = o < m ? (const float *)kv_row(kc, blocks, p0 + o, block_size, kvh, g, D, 0) : zero;
+        for (int64_t p = p0 + 8; p < p0 + 16 && p < L; p++) { /* the next rows into L1 */
+            const char *r = (const char *)kv_row(kc, blocks, p, block_size, kvh, g, D, 0);
+            for (int64_t x = 0; x < D * 4; x += 64) _mm_prefetch(r + x, _MM_HINT_T0);
+        }
+        for (int64_t hh = 0; hh < group; hh++) {
+            const float *qh = q + i * q_ts + (g * group + hh) * q_hs;
+            __m256 acc[8];
+            for (int o = 0; o < 8; o++) acc[o] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < NC; c++) { /* 8 independent chains */
+                const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
+                for (int o = 0; o < 8; o++) acc[o] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(rows[o] + 8 * c), acc[o]);
+            }
+            const __m256 s = _mm256_mul_ps(attn_hsum8(acc), _mm256_set1_ps(scale));
+            if (m == 8) {
+                _mm256_storeu_ps(sc + hh * L + p0, s);
+            } else {
+                float t[8];
+                _mm256_storeu_ps(t, s);
+                for (int64_t o = 0; o < m; o++) sc[hh * L + p0 + o] = t[o];
+            }
+        }
+    }
+    softmax_rows(sc, inv, group, L);
+    for (int64_t hh = 0; hh < group; hh++) {
+        const float *wh = sc + hh * L;
+        float *oh = out + (i * H + g * group + hh) * D;
+        for (int64_t c0 = 0; c0 < NC; c0 += 8) {
+            const int64_t nc = NC - c0 < 8 ? NC - c0 : 8;
+            __m256 acc[8];
+            for (int64_t c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
+            for (int64_t p = 0; p < L; p++) {
+                const float *row = (const float *)kv_row(vc, blocks, p, block_size, kvh, g, D, 0) + 8 * c0;
+                const __m256 w = _mm256_set1_ps(wh[p]);
+                for (int64_t c = 0; c < nc; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * c), acc[c]);
+            }
+            const __m256 vi = _mm256_set1_ps(inv[hh]);
+            for (int64_t c = 0; c < nc; c++) _mm256_storeu_ps(oh + 8 * (c0 + c), _mm256_mul_ps(acc[c], vi));
+        }
+    }
+}
+#define ATTN_AVX2_ITEM(D)                                                                                    \
+    attn_item_f32_avx2(i, g, (const float *)q, q_ts, q_hs, (const float *)kc, (const float *)vc, block_size, kvh, \
+                       bt, max_blocks, L, (float *)out, H, D, scale, buf);
+#else
+#define ATTN_AVX2 0
+#define ATTN_AVX2_ITEM(D) (void)0;
+#endif
+
+/* Per dtype, one non-inlined item function (keeps the compile time down): head sizes 64 and 128 get
+ * compile-time copies, the rest (up to 32 * MAX_NC) the runtime-D one. */
+#define DEFINE_ATTN_ITEM(SFX, BF)                                                                             \
+    static FAST_FP __attribute__((noinline)) void attn_item_##SFX(                                           \
+        int64_t it, const void *q, int64_t q_ts, int64_t q_hs, const void *kc, const void *vc,              \
+        int64_t block_size, int64_t kvh, const int32_t *bt, int64_t max_blocks, const int32_t *seq_lens,    \
+        void *out, int64_t H, int64_t d, float scale, float *buf) {                                          \
+        const int64_t i = it / kvh, g = it % kvh, L = seq_lens[i];                                           \
+        if (ATTN_AVX2 && !(BF) && d % 8 == 0)                                                                \
+            ATTN_AVX2_ITEM(d == 64 ? 64 : d == 128 ? 128 : d)                                                \
+        else if (d == 64)                                                                                    \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, bt, max_blocks, L, out, H, 64, scale, \
+                          buf, BF);                                                                          \
+        else if (d == 128)                                                                                   \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, bt, max_blocks, L, out, H, 128,      \
+                          scale, buf, BF);                                                                   \
+        else                                                                                                 \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, bt, max_blocks, L, out, H, d, scale,  \
+                          buf, BF);                                                                          \
+    }
+
+DEFINE_ATTN_ITEM(f32, 0)
+DEFINE_ATTN_ITEM(bf16, 1)
+
+/* Validates every index, then writes the new K/V (all writes precede all reads). Returns 0, or a
+ * negative code when an index is out of range (nothing is read or written out of bounds then):
+ * -1 slot_mapping >= num_blocks * block_size, -2 seq_len > max_blocks * block_size or < 0, -3 a block id
+ * outside [0, num_blocks). Slots < 0 are skipped (padding rows). Sets *max_len and *work (sum seq_len). */
+INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v, int64_t v_ts, int64_t v_hs,
+                        void *kc, void *vc, int64_t num_blocks, int64_t block_size, int64_t kvh,
+                        const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks,
+                        const int32_t *seq_lens, int64_t n, int64_t d, int64_t *max_len, int64_t *work,
+                        const int bf) {
+    const int64_t num_slots = num_blocks * block_size;
+    *max_len = 0;
+    *work = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t slot = slot_mapping[i];
+        const int64_t L = seq_lens[i];
+        if (slot >= num_slots) return -1;
+        if (L < 0 || L > max_blocks * block_size) return -2;
+        const int32_t *blocks = block_tables + i * max_blocks;
+        for (int64_t b = 0; b * block_size < L; b++)
+            if (blocks[b] < 0 || blocks[b] >= num_blocks) return -3;
+        *max_len = L > *max_len ? L : *max_len;
+        *work += L;
+    }
+    const size_t bytes = (size_t)d * (bf ? 2 : 4);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t slot = slot_mapping[i];
+        if (slot < 0) continue;
+        for (int64_t hh = 0; hh < kvh; hh++) {
+            memcpy(off(kc, (slot * kvh + hh) * d, bf), off(k, i * k_ts + hh * k_hs, bf), bytes);
+            memcpy(off(vc, (slot * kvh + hh) * d, bf), off(v, i * v_ts + hh * v_hs, bf), bytes);
+        }
+    }
+    return 0;
+}
+
+/* kv_cache: [2, num_blocks, block_size, kvh, d]; returns attn_prepare's code, or -4 when out of memory. */
+#define DEFINE_ATTENTION(SFX, BF)                                                                            \
+    FAST_FP int izh_paged_decode_attention_##SFX(                                                            \
+        const void *q, int64_t q_ts, int64_t q_hs, const void *k, int64_t k_ts, int64_t k_hs, const void *v,   \
+        int64_t v_ts, int64_t v_hs, void *kv_cache, int64_t num_blocks, int64_t block_size, int64_t kvh,     \
+        const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, \
+        void *out, int64_t n, int64_t H, int64_t d, float scale, int nt) {                                   \
+        void *kc = kv_cache;                                                                                 \
+        void *vc = off(kv_cache, num_blocks * block_size * kvh * d, BF);                                     \
+        int64_t max_len, work;                                                                               \
+        int rc = attn_prepare(k, k_ts, k_hs, v, v_ts, v_hs, kc, vc, num_blocks, block_size, kvh, slot_mapping, \
+                              block_tables, max_blocks, seq_lens, n, d, &max_len, &work, BF);                \
+        if (rc != 0) return rc;                                                                              \
+        const int64_t group = H / kvh;                                                                       \
+        const size_t scratch = (size_t)(group * (max_len + d + 32) + group) * sizeof(float);                \
+        const int64_t items = n * kvh;                                                                       \
+        int failed = 0;                                                                                      \
+        if (nt <= 1 || work * H * d < PAR_MIN_ATTN || items <= 1) {                                          \
+            float *buf = (float *)malloc(scratch);                                                           \
+            if (!buf) return -4;                                                                             \
+            for (int64_t it = 0; it < items; it++)                                                           \
+                attn_item_##SFX(it, q, q_ts, q_hs, kc, vc, block_size, kvh, block_tables, max_blocks,        \
+                                seq_lens, out, H, d, scale, buf);                                            \
+            free(buf);                                                                                       \
+        } else {                                                                                             \
+            _Pragma("omp parallel num_threads(nt) reduction(| : failed)") {                                  \
+                float *buf = (float *)malloc(scratch);                                                       \
+                failed |= buf == NULL;                                                                       \
+                _Pragma("omp for schedule(dynamic, kvh)") for (int64_t it = 0; it < items; it++) if (buf)      \
+                    attn_item_##SFX(it, q, q_ts, q_hs, kc, vc, block_size, kvh, block_tables, max_blocks,    \
+                                    seq_lens, out, H, d, scale, buf);                                        \
+                free(buf);                                                                                   \
+            }                                                                                                \
+        }                                                                                                    \
+        return failed ? -4 : 0;                                                                              \
+    }
+
+DEFINE_ATTENTION(f32, 0)
+DEFINE_ATTENTION(bf16, 1)

@@ -1,0 +1,194 @@
+/* Shared by every file of izh's CPU kernels (every .c file of this folder, compiled together into one
+ * shared library per instruction-set variant; see izh/kernels/cpu/compiler.py): bf16 helpers, exp_f32, the INLINE
+ * and FAST_FP macros, shared constants, and the prototypes of functions one file calls in another.
+ *
+ * Plain C11 + OpenMP, no torch headers. Each variant has fixed flags (compiler.py, variants.py), e.g. for avx2
+ *   gcc -O3 -march=x86-64-v3 -mtune=generic -std=c11 -fPIC -shared -fopenmp -ffp-contract=off
+ *       -fno-math-errno ...
+ * -ffp-contract=off matters: the float32 rotary kernel must round every product separately (no FMA) to
+ * be bit-identical to torch's elementwise ops. Code for an instruction set sits behind its compiler
+ * macros (__AVX512F__, __AVX512BF16__, __AMX_TILE__, ...), so every file compiles for every variant, and
+ * for aarch64.
+ *
+ * Every row kernel exists twice, `_f32` and `_bf16`; bf16 is stored as uint16_t. Both are stamped out of
+ * one always_inline body with a compile-time `bf` flag, so each copy is specialised and auto-vectorised.
+ * bf16 rounding follows c10::BFloat16 (round to nearest even, NaN -> 0x7FC0); `rnd(v, 1)` rounds a float
+ * through bf16 the way a torch bf16 elementwise op rounds its fp32 result.
+ */
+#ifndef IZH_CPU_COMMON_H
+#define IZH_CPU_COMMON_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* syscall() */
+#endif
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <omp.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
+/* The record matmuls (qgemm_avx512.c) and the fused decode stack (stack.c) need these. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define HAVE_QGEMM 1
+#else
+#define HAVE_QGEMM 0
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+/* The library is built with -ffp-contract=off (rotary must round like torch); attention, which has no
+ * bit-exact reference, lets the compiler fuse multiply-adds. Correct either way; only speed depends on it. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define FAST_FP __attribute__((optimize("fp-contract=fast")))
+#else
+#define FAST_FP
+#endif
+
+/* Work (elements) below which the row kernels stay on the calling thread. */
+#define PAR_MIN_ELEMS 65536
+
+INLINE float bf2f(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+INLINE uint16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint16_t r = (uint16_t)((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+    return f != f ? (uint16_t)0x7FC0 : r;
+}
+
+INLINE float ld(const void *p, int64_t i, const int bf) {
+    return bf ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+INLINE void st(void *p, int64_t i, float v, const int bf) {
+    if (bf)
+        ((uint16_t *)p)[i] = f2bf(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+INLINE float rnd(float v, const int bf) { return bf ? bf2f(f2bf(v)) : v; }
+
+INLINE char *off(const void *p, int64_t elems, const int bf) {
+    return (char *)p + elems * (bf ? 2 : 4);
+}
+
+/* exp(x) in fp32, branch-free so loops over it vectorise (libm's expf does not without -ffast-math).
+ * Cephes expf: n = round(x / ln2), r = x - n ln2 (two-constant Cody-Waite), degree-7 polynomial for
+ * e^r on [-ln2/2, ln2/2], then scale by 2^n as two factors 2^(n/2) so n in [-150, 128] stays in range
+ * (a single rounding into the subnormals). About 1 ulp; overflow -> inf, underflow -> 0, NaN -> NaN. */
+INLINE float exp_f32(float x) {
+    float xc = x < -104.0f ? -104.0f : x;
+    xc = xc > 88.8f ? 88.8f : xc;
+    float t = xc * 1.44269504088896341f + 12582912.0f; /* 1.5 * 2^23: round to nearest integer */
+    float n = t - 12582912.0f;
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * (r * r) + r + 1.0f;
+    int32_t ni = (int32_t)n;
+    int32_t n1 = ni / 2;
+    int32_t n2 = ni - n1;
+    uint32_t b1 = (uint32_t)(n1 + 127) << 23, b2 = (uint32_t)(n2 + 127) << 23;
+    float s1, s2;
+    memcpy(&s1, &b1, sizeof s1);
+    memcpy(&s2, &b2, sizeof s2);
+    y = y * s1 * s2;
+    y = x > 88.72283935546875f ? INFINITY : y;
+    y = x < -103.972084f ? 0.0f : y;
+    return x != x ? x : y;
+}
+
+/* Record sizes (bytes) of the quantized weights; the layout is described in qgemm_avx512.c. */
+#define Q4_RECORD 320
+#define Q8_RECORD 544
+
+/* --- functions called from another file ----------------------------------------------------------- */
+
+/* norm.c and attention.c: each kernel in float32 (`_f32`) and bfloat16 (`_bf16`, stored as uint16_t). */
+#define IZH_DECLARE_ROW_KERNELS(SFX)                                                                          \
+    void izh_rms_norm_##SFX(const void *x, int64_t x_stride, const void *w, void *out, int64_t n, int64_t h,   \
+                            float eps, int nt);                                                                \
+    void izh_add_rms_norm_##SFX(const void *x, void *res, const void *w, void *out, int64_t n, int64_t h,     \
+                                float eps, int nt);                                                            \
+    void izh_silu_mul_##SFX(const void *gu, int64_t gu_stride, void *out, int64_t n, int64_t inter, int nt);  \
+    void izh_rotary_##SFX(void *x, int64_t tok_stride, int64_t head_stride, const void *cs, int64_t n,        \
+                          int64_t heads, int64_t d, int nt);                                                   \
+    int izh_paged_decode_attention_##SFX(                                                                      \
+        const void *q, int64_t q_ts, int64_t q_hs, const void *k, int64_t k_ts, int64_t k_hs, const void *v,     \
+        int64_t v_ts, int64_t v_hs, void *kv_cache, int64_t num_blocks, int64_t block_size, int64_t kvh,       \
+        const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, \
+        void *out, int64_t n, int64_t H, int64_t d, float scale, int nt);
+IZH_DECLARE_ROW_KERNELS(f32)
+IZH_DECLARE_ROW_KERNELS(bf16)
+
+/* The decode stacks' per-layer table (izh_decode_stack_bf16 in stack.c): num_layers rows of STACK_FIELDS
+ * int64: input-norm weight, post-attention-norm weight, KV cache ([2, num_blocks, block_size, kvh, d]),
+ * then (records, kind 4 or 8, bias or 0) for qkv, o, gate_up, down. */
+enum { STACK_IN_NORM, STACK_POST_NORM, STACK_KV, STACK_QKV, STACK_O = STACK_QKV + 3, STACK_GATE_UP = STACK_O + 3,
+       STACK_DOWN = STACK_GATE_UP + 3, STACK_FIELDS = STACK_DOWN + 3 };
+
+/* qgemm_avx512.c (stubs returning -2, or 0 rows, without HAVE_QGEMM) */
+int izh_qgemm_available(void);
+int izh_qgemm_max_rows(void);
+int izh_qgemm_uses_amx(int q8, int64_t M);
+int izh_q4_gemm(const uint16_t *x, int64_t xs, const uint8_t *w, int64_t M, int64_t N, int64_t K, void *out,
+                int64_t os, int out_f32, int nt);
+int izh_q8_gemm(const uint16_t *x, int64_t xs, const uint8_t *w, int64_t M, int64_t N, int64_t K, void *out,
+                int64_t os, int out_f32, int nt);
+
+
+/* The body of the fused decode stacks (stack.c: bfloat16, records_f32.c: float32), after their row checks:
+ * every layer through the dtype's kernels in the Python modules' order, then the final norm. T: the
+ * element type; SFX: the kernels' suffix; LINEAR(lin, x, M, N, K, out, nt): a record matmul of the
+ * STACK_* fields at lin, bias added, returning 0 or a stack code. Returns from the function. */
+#define IZH_DECODE_STACK_BODY(T, SFX, LINEAR)                                                                  \
+    const int64_t qkv_w = (H + 2 * kvh) * d;                                                                   \
+    const size_t elems = (size_t)M * (size_t)(2 * hidden + qkv_w + H * d + 3 * inter);                         \
+    T *buf = (T *)malloc(elems * sizeof(T));                                                                   \
+    if (!buf) return -4;                                                                                       \
+    T *normed = buf, *h = normed + M * hidden, *qkv = h + M * hidden, *attn = qkv + M * qkv_w;                \
+    T *gate_up = attn + M * H * d, *act = gate_up + M * 2 * inter;                                             \
+    int rc = 0;                                                                                                \
+    for (int64_t l = 0; l < num_layers && rc == 0; l++) {                                                      \
+        const int64_t *lp = layers + l * STACK_FIELDS;                                                         \
+        const T *in_norm = (const T *)(intptr_t)lp[STACK_IN_NORM];                                             \
+        const T *post_norm = (const T *)(intptr_t)lp[STACK_POST_NORM];                                         \
+        if (l == 0)                                                                                            \
+            izh_rms_norm_##SFX(x, hidden, in_norm, normed, M, hidden, eps, nt);                                \
+        else                                                                                                   \
+            izh_add_rms_norm_##SFX(h, x, in_norm, normed, M, hidden, eps, nt);                                 \
+        if ((rc = LINEAR(lp + STACK_QKV, normed, M, qkv_w, hidden, qkv, nt))) break;                           \
+        izh_rotary_##SFX(qkv, qkv_w, d, cos_sin, M, H + kvh, d, nt);                                           \
+        rc = izh_paged_decode_attention_##SFX(qkv, qkv_w, d, qkv + H * d, qkv_w, d, qkv + (H + kvh) * d, qkv_w, \
+                                              d, (void *)(intptr_t)lp[STACK_KV], num_blocks, block_size, kvh,  \
+                                              slot_mapping, block_tables, max_blocks, seq_lens, attn, M, H, d,  \
+                                              scale, nt);                                                      \
+        if (rc) break;                                                                                         \
+        if ((rc = LINEAR(lp + STACK_O, attn, M, hidden, H * d, h, nt))) break;                                 \
+        izh_add_rms_norm_##SFX(h, x, post_norm, normed, M, hidden, eps, nt);                                   \
+        if ((rc = LINEAR(lp + STACK_GATE_UP, normed, M, 2 * inter, hidden, gate_up, nt))) break;               \
+        izh_silu_mul_##SFX(gate_up, 2 * inter, act, M, inter, nt);                                             \
+        rc = LINEAR(lp + STACK_DOWN, act, M, hidden, inter, h, nt);                                            \
+    }                                                                                                          \
+    if (rc == 0) izh_add_rms_norm_##SFX(h, x, final_norm, out, M, hidden, eps, nt);                            \
+    free(buf);                                                                                                 \
+    return rc;
+
+#endif /* IZH_CPU_COMMON_H */

@@ -1,0 +1,366 @@
+/* Record matmuls for float32 models, and the float32 fused decode stack, for every variant.
+ *
+ * The bf16 kernels (qgemm_avx512.c) need AVX512-BF16. These take float32 activations and run on any
+ * CPU, the way llama.cpp runs Q4 x Q8 dot products: each row of x is quantized to int8 per group of 32
+ * inputs (d = max |x| / 127, q = round-half-even(x * (1 / d))), the dot products of codes are exact
+ * int32 sums, and a fixed float32 epilogue per group applies the scales. The weights are the same
+ * records as the bf16 kernels' (see qgemm_avx512.c): int4 (w = code * scale + min) or int8 (w = code *
+ * scale), bf16 scales, 16 output rows x 32 inputs per record.
+ *
+ *   out[m, n] = sum over groups g, in order, of   isum * (s[n, g] * d[m, g])  (+ min[n, g] * e[m, g])
+ *
+ * with isum the exact integer dot product of the group's codes, e = d * (sum of q over the group), each
+ * product and sum rounded to float32 on its own (no fused multiply-add: the library is built with
+ * -ffp-contract=off). The integer part is exact and the float part is the same sequence of operations
+ * everywhere, so every variant (and `q4_matmul_x8_ref` / `q8_matmul_x8_ref` in records.py) gives
+ * bit-identical results, for any number of rows: a row's result does not depend on the others in the
+ * batch.
+ *
+ * AVX2: vpmaddubsw multiplies 32 code bytes by 32 activation bytes at once; int4 codes feed it straight
+ * from the nibbles (the record's byte 2i+e holds row i's codes for two neighbouring inputs, so a broadcast
+ * activation pair lines up with them); int8 codes are widened to 16 bits and paired by input for
+ * vpmaddwd. NEON (records_neon.h): vmlal_s8 / vmull_s8 into 16-bit lanes, widened per record. Generic:
+ * the same integer sums in plain C. Threads split the output tiles statically. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#define X8_Q4_RECORD 320
+#define X8_Q8_RECORD 544
+#define X8_MR 6        /* rows of x per pass over a tile's records (they stay in L1 between passes) */
+#define X8_PREFETCH 8  /* records ahead */
+
+/* Quantizes rows [m0, m1) of x (fp32, row stride xs) to q int8 [M, K] (row stride K), d and e fp32
+ * [M, K / 32]: d = max |x| / 127 over the group, q = round-half-even(x * (1 / d)) (0 when d = 0), e = d *
+ * sum(q). */
+static void x8_quantize_rows(const float *x, int64_t xs, int64_t m0, int64_t m1, int64_t K, int8_t *q, float *d,
+                             float *e) {
+    const int64_t groups = K / 32;
+    for (int64_t m = m0; m < m1; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + m * xs + g * 32;
+            float amax = 0.0f;
+            for (int k = 0; k < 32; k++) {
+                const float a = fabsf(xg[k]);
+                amax = a > amax ? a : amax;
+            }
+            const float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
+            int8_t *qg = q + m * K + g * 32;
+            int32_t sum = 0;
+            for (int k = 0; k < 32; k++) {
+                float r = rintf(xg[k] * id);
+                r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+                qg[k] = (int8_t)r;
+                sum += (int32_t)r;
+            }
+            d[m * groups + g] = dd;
+            e[m * groups + g] = dd * (float)sum;
+        }
+}
+
+INLINE float x8_bf16(const uint8_t *p, int i) {
+    uint16_t h;
+    memcpy(&h, p + 2 * i, 2);
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* The epilogue of one group for one row of x and the tile's 16 output rows, in the order of the header.
+ * (Scalar form; the AVX2 code does the same operations 8 lanes at a time.) */
+INLINE void x8_epilogue(float *acc, const int32_t *isum, const uint8_t *scales, const uint8_t *mins, float d,
+                        float e) {
+    for (int i = 0; i < 16; i++) {
+        const float t = x8_bf16(scales, i) * d;
+        float a = acc[i] + (float)isum[i] * t;
+        if (mins) a = a + x8_bf16(mins, i) * e;
+        acc[i] = a;
+    }
+}
+
+/* ---- portable integer sums (generic, NEON) ---- */
+
+/* isum[i] for one int4 record and one row's 32 codes. */
+INLINE void x8_q4_isum_c(const uint8_t *rec, const int8_t *q, int32_t *isum) {
+    int32_t s[16] = {0};
+    for (int b = 0; b < 8; b++) {
+        const uint8_t *blk = rec + 32 * b;
+        const int32_t q0 = q[4 * b], q1 = q[4 * b + 1], q2 = q[4 * b + 2], q3 = q[4 * b + 3];
+        for (int i = 0; i < 16; i++) {
+            const int32_t b0 = blk[2 * i], b1 = blk[2 * i + 1];
+            s[i] += (b0 & 15) * q0 + (b1 & 15) * q1 + (b0 >> 4) * q2 + (b1 >> 4) * q3;
+        }
+    }
+    memcpy(isum, s, sizeof s);
+}
+
+INLINE void x8_q8_isum_c(const uint8_t *rec, const int8_t *q, int32_t *isum) {
+    int32_t s[16] = {0};
+    const int8_t *codes = (const int8_t *)rec;
+    for (int k = 0; k < 32; k++)
+        for (int i = 0; i < 16; i++) s[i] += (int32_t)codes[16 * k + i] * q[k];
+    memcpy(isum, s, sizeof s);
+}
+
+static __attribute__((unused)) void x8_tile_c(const int q8, const uint8_t *tile, int64_t groups, const int8_t *xq, int64_t K,
+                      const float *xd, const float *xe, int64_t rows, float *out, int64_t os) {
+    const int64_t record = q8 ? X8_Q8_RECORD : X8_Q4_RECORD;
+    for (int64_t m = 0; m < rows; m++) {
+        float acc[16] = {0};
+        int32_t isum[16];
+        const uint8_t *rec = tile;
+        for (int64_t g = 0; g < groups; g++, rec += record) {
+            if (q8) {
+                x8_q8_isum_c(rec, xq + m * K + 32 * g, isum);
+                x8_epilogue(acc, isum, rec + 512, NULL, xd[m * groups + g], 0.0f);
+            } else {
+                x8_q4_isum_c(rec, xq + m * K + 32 * g, isum);
+                x8_epilogue(acc, isum, rec + 256, rec + 288, xd[m * groups + g], xe[m * groups + g]);
+            }
+        }
+        memcpy(out + m * os, acc, sizeof acc);
+    }
+}
+
+/* ---- AVX2 ---- */
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+INLINE __m256 x8_bf16x8(const uint8_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* acc[0..1] (rows 0-7, 8-15) += isum * (s * d) (+ min * e), lane for lane as x8_epilogue. */
+INLINE void x8_epilogue_avx2(__m256 *acc, __m256i i0, __m256i i1, __m256 s0, __m256 s1, const __m256 *mn, float d,
+                             float e) {
+    const __m256 vd = _mm256_set1_ps(d);
+    acc[0] = _mm256_add_ps(acc[0], _mm256_mul_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(s0, vd)));
+    acc[1] = _mm256_add_ps(acc[1], _mm256_mul_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(s1, vd)));
+    if (mn) {
+        const __m256 ve = _mm256_set1_ps(e);
+        acc[0] = _mm256_add_ps(acc[0], _mm256_mul_ps(mn[0], ve));
+        acc[1] = _mm256_add_ps(acc[1], _mm256_mul_ps(mn[1], ve));
+    }
+}
+
+/* R rows of x against one tile of int4 records. */
+INLINE void x8_q4_tile_avx2(const int R, const uint8_t *rec, int64_t groups, const uint32_t *xp, int64_t K,
+                            const float *xd, const float *xe, float *out, int64_t os) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    __m256 acc[X8_MR][2];
+    for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++, rec += X8_Q4_RECORD) {
+        for (int c = 0; c < X8_Q4_RECORD; c += 64) _mm_prefetch((const char *)rec + X8_PREFETCH * X8_Q4_RECORD + c, _MM_HINT_T0);
+        __m256i i0[X8_MR], i1[X8_MR];
+        for (int m = 0; m < R; m++) i0[m] = i1[m] = _mm256_setzero_si256();
+        for (int half = 0; half < 2; half++) {
+            /* 4 blocks: |sum| <= 8 * 15 * 127 * 2 < 32768, so int16 lanes hold it */
+            __m256i s16[X8_MR];
+            for (int m = 0; m < R; m++) s16[m] = _mm256_setzero_si256();
+            for (int b = 4 * half; b < 4 * half + 4; b++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 32 * b));
+                const __m256i lo = _mm256_and_si256(w, nib), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);
+                for (int m = 0; m < R; m++) {
+                    const uint32_t *pm = xp + m * (K / 2) + 16 * g + 2 * b; /* inputs 4b, 4b+1 | 4b+2, 4b+3 */
+                    const __m256i xlo = _mm256_set1_epi32((int32_t)pm[0]), xhi = _mm256_set1_epi32((int32_t)pm[1]);
+                    s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(lo, xlo));
+                    s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(hi, xhi));
+                }
+            }
+            for (int m = 0; m < R; m++) {
+                const __m256i a = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16[m]));
+                const __m256i c = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16[m], 1));
+                i0[m] = _mm256_add_epi32(i0[m], a);
+                i1[m] = _mm256_add_epi32(i1[m], c);
+            }
+        }
+        const __m256 s0 = x8_bf16x8(rec + 256), s1 = x8_bf16x8(rec + 272);
+        const __m256 mn[2] = {x8_bf16x8(rec + 288), x8_bf16x8(rec + 304)};
+        for (int m = 0; m < R; m++)
+            x8_epilogue_avx2(acc[m], i0[m], i1[m], s0, s1, mn, xd[m * groups + g], xe[m * groups + g]);
+    }
+    for (int m = 0; m < R; m++) {
+        _mm256_storeu_ps(out + m * os, acc[m][0]);
+        _mm256_storeu_ps(out + m * os + 8, acc[m][1]);
+    }
+}
+
+/* R rows of x against one tile of int8 records. Inputs k, k+1 are interleaved into 16-bit row pairs by
+ * unpacking, which orders the rows 0-3, 8-11 | 4-7, 12-15 across the two halves: the scales are put in the
+ * same order and the result is put back at the end. */
+INLINE void x8_q8_tile_avx2(const int R, const uint8_t *rec, int64_t groups, const uint32_t *xp, int64_t K,
+                            const float *xd, float *out, int64_t os) {
+    __m256 acc[X8_MR][2];
+    for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++, rec += X8_Q8_RECORD) {
+        for (int c = 0; c < X8_Q8_RECORD; c += 64) _mm_prefetch((const char *)rec + X8_PREFETCH * X8_Q8_RECORD + c, _MM_HINT_T0);
+        __m256i i0[X8_MR], i1[X8_MR];
+        for (int m = 0; m < R; m++) i0[m] = i1[m] = _mm256_setzero_si256();
+        for (int k = 0; k < 32; k += 2) {
+            const __m256i wk = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rec + 16 * k)));
+            const __m256i wk1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rec + 16 * k + 16)));
+            const __m256i a = _mm256_unpacklo_epi16(wk, wk1), b = _mm256_unpackhi_epi16(wk, wk1);
+            for (int m = 0; m < R; m++) {
+                const __m256i pair = _mm256_set1_epi32((int32_t)xp[m * (K / 2) + 16 * g + k / 2]);
+                i0[m] = _mm256_add_epi32(i0[m], _mm256_madd_epi16(a, pair));
+                i1[m] = _mm256_add_epi32(i1[m], _mm256_madd_epi16(b, pair));
+            }
+        }
+        const __m256 n0 = x8_bf16x8(rec + 512), n1 = x8_bf16x8(rec + 528);
+        const __m256 s0 = _mm256_permute2f128_ps(n0, n1, 0x20), s1 = _mm256_permute2f128_ps(n0, n1, 0x31);
+        for (int m = 0; m < R; m++) x8_epilogue_avx2(acc[m], i0[m], i1[m], s0, s1, NULL, xd[m * groups + g], 0.0f);
+    }
+    for (int m = 0; m < R; m++) {
+        _mm256_storeu_ps(out + m * os, _mm256_permute2f128_ps(acc[m][0], acc[m][1], 0x20));
+        _mm256_storeu_ps(out + m * os + 8, _mm256_permute2f128_ps(acc[m][0], acc[m][1], 0x31));
+    }
+}
+
+#define DEFINE_X8_TILE(R)                                                                                     \
+    static __attribute__((noinline)) void x8_tile_avx2_##R(const int q8, const uint8_t *tile, int64_t groups, \
+                                                           const uint32_t *xp, int64_t K, const float *xd,   \
+                                                           const float *xe, float *out, int64_t os) {        \
+        if (q8)                                                                                               \
+            x8_q8_tile_avx2(R, tile, groups, xp, K, xd, out, os);                                             \
+        else                                                                                                  \
+            x8_q4_tile_avx2(R, tile, groups, xp, K, xd, xe, out, os);                                         \
+    }
+DEFINE_X8_TILE(1)
+DEFINE_X8_TILE(2)
+DEFINE_X8_TILE(3)
+DEFINE_X8_TILE(4)
+DEFINE_X8_TILE(5)
+DEFINE_X8_TILE(6)
+
+static void x8_tile(const int q8, const uint8_t *tile, int64_t groups, const int8_t *xq, const uint32_t *xp,
+                    int64_t K, const float *xd, const float *xe, int64_t rows, float *out, int64_t os) {
+    (void)xq;
+    /* Blocks of nearly equal size (8 rows: 4 + 4, not 6 + 2): each pass unpacks the tile's codes again. */
+    const int64_t blocks = (rows + X8_MR - 1) / X8_MR;
+    for (int64_t b = 0, m0 = 0; b < blocks; b++) {
+        const int64_t R = (rows - m0 + (blocks - b) - 1) / (blocks - b);
+        const uint32_t *q = xp + m0 * (K / 2);
+        const float *d = xd + m0 * groups, *e = xe + m0 * groups;
+        float *o = out + m0 * os;
+        switch (R) {
+        case 1: x8_tile_avx2_1(q8, tile, groups, q, K, d, e, o, os); break;
+        case 2: x8_tile_avx2_2(q8, tile, groups, q, K, d, e, o, os); break;
+        case 3: x8_tile_avx2_3(q8, tile, groups, q, K, d, e, o, os); break;
+        case 4: x8_tile_avx2_4(q8, tile, groups, q, K, d, e, o, os); break;
+        case 5: x8_tile_avx2_5(q8, tile, groups, q, K, d, e, o, os); break;
+        default: x8_tile_avx2_6(q8, tile, groups, q, K, d, e, o, os); break;
+        }
+        m0 += R;
+    }
+}
+#elif defined(__ARM_NEON)
+#include "records_neon.h" /* x8_tile for NEON */
+#else
+static void x8_tile(const int q8, const uint8_t *tile, int64_t groups, const int8_t *xq, const uint32_t *xp,
+                    int64_t K, const float *xd, const float *xe, int64_t rows, float *out, int64_t os) {
+    (void)xp;
+    x8_tile_c(q8, tile, groups, xq, K, xd, xe, rows, out, os);
+}
+#endif
+
+/* Each two neighbouring codes of x as one 32-bit word that a broadcast turns into the vector operand of
+ * the AVX2 tiles: for int4 records the two bytes twice (vpmaddubsw pairs bytes), for int8 records the
+ * two codes as 16-bit numbers (vpmaddwd pairs 16-bit lanes). */
+static __attribute__((unused)) void x8_pairs(const int q8, const int8_t *q, int64_t n, uint32_t *p) {
+    for (int64_t i = 0; i + 1 < n; i += 2) {
+        const uint32_t a = (uint8_t)q[i], b = (uint8_t)q[i + 1];
+        const uint32_t a16 = (uint16_t)(int16_t)q[i], b16 = (uint16_t)(int16_t)q[i + 1];
+        p[i / 2] = q8 ? a16 | b16 << 16 : (a | b << 8) * 0x00010001u;
+    }
+}
+
+/* Rows go X8_MC at a time through every tile (a tile's records stay in L1 across the rows). */
+#define X8_MC 64
+
+static void x8_tiles(const int q8, const uint8_t *w, int64_t M, int64_t K, int64_t t0, int64_t t1,
+                     const int8_t *xq, const uint32_t *xp, const float *xd, const float *xe, float *out,
+                     int64_t os) {
+    const int64_t record = q8 ? X8_Q8_RECORD : X8_Q4_RECORD, groups = K / 32;
+    for (int64_t m0 = 0; m0 < M; m0 += X8_MC) {
+        const int64_t mc = M - m0 < X8_MC ? M - m0 : X8_MC;
+        for (int64_t t = t0; t < t1; t++) {
+            const uint8_t *tile = w + t * groups * record;
+            const int8_t *q = xq + m0 * K;
+            const uint32_t *p = xp + m0 * (K / 2);
+            const float *d = xd + m0 * groups, *e = xe + m0 * groups;
+            float *o = out + m0 * os + 16 * t;
+            x8_tile(q8, tile, groups, q, p, K, d, e, mc, o, os);
+        }
+    }
+}
+
+static int x8_gemm(const int q8, const float *x, int64_t xs, const uint8_t *w, int64_t M, int64_t N, int64_t K,
+                   float *out, int64_t os, int nt) {
+    if (M < 1 || N <= 0 || K <= 0 || N % 16 || K % 32) return -1;
+    const int64_t groups = K / 32, tiles = N / 16;
+    /* q int8 [M, K]; the same codes as broadcast-ready pairs (x8_pairs) [M, K / 2]; d, e [M, groups] */
+    char *buf = (char *)malloc((size_t)(M * K) + sizeof(uint32_t) * (size_t)(M * K / 2) +
+                               2 * sizeof(float) * (size_t)(M * groups) + 64);
+    if (!buf) return -4;
+    int8_t *xq = (int8_t *)buf;
+    uint32_t *xp = (uint32_t *)(((uintptr_t)(buf + M * K) + 63) & ~(uintptr_t)63);
+    float *xd = (float *)(xp + M * K / 2), *xe = xd + M * groups;
+    /* Quantizing x is ~1% of the work: done here, it saves the team a barrier (costly on a busy machine). */
+    x8_quantize_rows(x, xs, 0, M, K, xq, xd, xe);
+#if defined(__AVX2__)
+    x8_pairs(q8, xq, M * K, xp);
+#endif
+    if (nt <= 1 || tiles < 2) {
+        x8_tiles(q8, w, M, K, 0, tiles, xq, xp, xd, xe, out, os);
+    } else {
+#pragma omp parallel num_threads(nt)
+        {
+            const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+            x8_tiles(q8, w, M, K, tiles * me / team, tiles * (me + 1) / team, xq, xp, xd, xe, out, os);
+        }
+    }
+    free(buf);
+    return 0;
+}
+
+/* x: fp32 [M, K], row stride xs (elements); w: the records; out: fp32 [M, N], row stride os. Returns 0, -1
+ * for a bad shape (M < 1, N % 16, K % 32), -4 out of memory. */
+int izh_q4_gemm_f32(const float *x, int64_t xs, const uint8_t *w, int64_t M, int64_t N, int64_t K, float *out,
+                    int64_t os, int nt) {
+    return x8_gemm(0, x, xs, w, M, N, K, out, os, nt);
+}
+
+int izh_q8_gemm_f32(const float *x, int64_t xs, const uint8_t *w, int64_t M, int64_t N, int64_t K, float *out,
+                    int64_t os, int nt) {
+    return x8_gemm(1, x, xs, w, M, N, K, out, os, nt);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* The decode stack in float32: izh_decode_stack_bf16's contract (stack.c) with float32 activations and
+ * the matmuls above, any number of rows. The same calls as the Python modules in the same order, so the
+ * result is bit-identical to theirs. Returns 0; attention's -1..-3; -4 out of memory; -5 M < 1; -6 a
+ * matmul refused its shape. */
+static int stack_linear_f32(const int64_t *lin, const float *x, int64_t M, int64_t N, int64_t K, float *out,
+                            int nt) {
+    const uint8_t *rec = (const uint8_t *)(intptr_t)lin[0];
+    const int rc = x8_gemm(lin[1] == 8, x, K, rec, M, N, K, out, N, nt);
+    if (rc) return rc == -1 ? -6 : rc;
+    const float *bias = (const float *)(intptr_t)lin[2];
+    if (bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < N; j++) out[m * N + j] += bias[j];
+    return 0;
+}
+
+int izh_decode_stack_f32(const int64_t *layers, int64_t num_layers, int64_t M, int64_t hidden, int64_t H,
+                         int64_t kvh, int64_t d, int64_t inter, float eps, float scale, float *x,
+                         const float *final_norm, float *out, const float *cos_sin, const int64_t *slot_mapping,
+                         const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
+                         int64_t num_blocks, int64_t block_size, int nt) {
+    if (M < 1) return -5;
+    IZH_DECODE_STACK_BODY(float, f32, stack_linear_f32)
+}
