@@ -41,6 +41,12 @@ class ContextLengthExceeded(InvalidRequest):
     default_code = "context_length_exceeded"
 
 
+class LimitExceeded(InvalidRequest):
+    """A request asks for more than a `[limits]` setting allows (HTTP 400)."""
+
+    default_code = "limit_exceeded"
+
+
 class Unauthorized(IzhError):
     status_code = 401
     error_type = "authentication_error"
@@ -56,6 +62,14 @@ class ModelNotFound(NotFound):
     default_code = "model_not_found"
 
 
+class RequestTimeout(IzhError):
+    """The client did not send its request body in time (HTTP 408)."""
+
+    status_code = 408
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
 class PayloadTooLarge(IzhError):
     status_code = 413
     error_type = "invalid_request_error"
@@ -66,6 +80,14 @@ class RateLimited(IzhError):
     status_code = 429
     error_type = "rate_limit_error"
     default_code = "rate_limit_exceeded"
+
+
+class RateLimitExceeded(RateLimited):
+    """429: the key's bucket or concurrency is exhausted; retry after `retry_after_s`."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class Overloaded(IzhError):
@@ -90,3 +112,13 @@ class ModelLoadError(IzhError):
     status_code = 500
     error_type = "internal_error"
     default_code = "model_load_error"
+
+
+class HTTPStatusError(IzhError):
+    """A plain HTTP error raised by the framework (405, ...) that has no class of its own here."""
+
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code

@@ -5,8 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 from izh.config import EngineConfig
 from izh.engine.core import EngineCore
 from izh.errors import InvalidRequest
+from izh.frontend.input_processor import validate_request
 from izh.frontend.output_processor import OutputProcessor, PositionLogprobs, RequestState
 from izh.protocol import AddRequest
 from izh.sampling_params import SamplingParams
@@ -23,6 +23,14 @@ logger = logging.getLogger(__name__)
 
 PromptType = str | dict[str, Any]
 """A string, or {"prompt_token_ids": [...]} (optionally with "prompt": the text it came from)."""
+
+ProgressFn = Callable[[int, int, str], None]
+"""progress(done, total, phase), phase `LOADING_WEIGHTS` or `GENERATING` (the shape of izh.hub's)."""
+
+LOADING_WEIGHTS = "loading weights"
+"""Phase of LLM(): done and total count the checkpoint tensors copied into the model."""
+GENERATING = "generating"
+"""Phase of each generate() / chat() call: done and total count its finished requests (from 0)."""
 
 
 @dataclass(slots=True)
@@ -56,6 +64,9 @@ class LLM:
     `model` is a registry name ("smollm2"), a .gguf file or a Hugging Face folder; the keyword
     arguments are EngineConfig fields (dtype, max_model_len, kv_cache_memory_bytes, block_size,
     max_num_batched_tokens, max_num_seqs, enable_prefix_caching, scheduling_policy, seed, ...).
+
+    `progress` hears how loading and each generate() call advance (`ProgressFn`); the library itself
+    never draws on the console (izh_cli.progress.ProgressBar draws these as Rich bars).
     """
 
     def __init__(
@@ -63,7 +74,7 @@ class LLM:
         model: str = "smollm2",
         *,
         cache_dir: str | Path | None = None,
-        show_progress: bool = True,
+        progress: ProgressFn | None = None,
         **engine_kwargs: Any,
     ) -> None:
         from izh.hub import default_cache_dir, resolve_model
@@ -71,10 +82,10 @@ class LLM:
         cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         self.model_path = str(resolve_model(model, cache))
         engine_kwargs.setdefault("served_model_name", model)
+        engine_kwargs.setdefault("cache_dir", str(cache))  # the C kernels go to <cache>/kernels
         self.config = EngineConfig(model=self.model_path, **engine_kwargs)
-        self.show_progress = show_progress
-        with _progress_bar(show_progress, "loading weights") as progress:
-            self.engine_core = EngineCore(self.config, progress=progress)
+        self.progress = progress
+        self.engine_core = EngineCore(self.config, progress=_in_phase(progress, LOADING_WEIGHTS))
         self.tokenizer = load_tokenizer(self.model_path)
         self._processor = OutputProcessor(self.tokenizer)
         self._states: dict[str, RequestState] = {}
@@ -154,6 +165,13 @@ class LLM:
     def _add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> None:
+        # The one validation point, as the server's AsyncLLM: the engine core trusts what it gets.
+        params = validate_request(
+            prompt_token_ids,
+            params,
+            vocab_size=self.engine_core.vocab_size,
+            max_model_len=self.engine_core.max_model_len,
+        )
         self.engine_core.add_request(
             AddRequest(
                 request_id=request_id,
@@ -170,23 +188,25 @@ class LLM:
     def _run(self, children: dict[str, tuple[RequestOutput, int]]) -> None:
         total = len(children)
         done = 0
-        with _progress_bar(self.show_progress and total >= 16, "generating") as progress:
-            while self.engine_core.has_unfinished_requests():
-                for out in self.engine_core.step():
-                    state = self._states.get(out.request_id)
-                    if state is None:
-                        continue
-                    delta = self._processor.process(state, out, time.time())
-                    if delta.finished and out.finish_reason is None:
-                        # A stop string ended it here; the core (which knows no text) must stop too.
-                        self.engine_core.abort_requests([out.request_id])
-                    result, index = children[out.request_id]
-                    _apply_delta(result, result.outputs[index], delta)
-                    if delta.finished:
-                        del self._states[out.request_id]
-                        done += 1
-                        if progress is not None:
-                            progress(done, total, "requests")
+        progress = self.progress
+        if progress is not None:
+            progress(done, total, GENERATING)
+        while self.engine_core.has_unfinished_requests():
+            for out in self.engine_core.step():
+                state = self._states.get(out.request_id)
+                if state is None:
+                    continue
+                delta = self._processor.process(state, out, time.time())
+                if delta.finished and out.finish_reason is None:
+                    # A stop string ended it here; the core (which knows no text) must stop too.
+                    self.engine_core.abort_requests([out.request_id])
+                result, index = children[out.request_id]
+                _apply_delta(result, result.outputs[index], delta)
+                if delta.finished:
+                    del self._states[out.request_id]
+                    done += 1
+                    if progress is not None:
+                        progress(done, total, GENERATING)
 
     def _drain_finished(self) -> None:
         """Forget request states whose outputs were consumed outside generate() (benchmarks)."""
@@ -243,27 +263,13 @@ def _apply_delta(result: RequestOutput, completion: CompletionOutput, delta: Any
         result.finished = all(c.finish_reason is not None for c in result.outputs)
 
 
-@contextmanager
-def _progress_bar(enabled: bool, description: str) -> Iterator[Callable[[int, int, str], None] | None]:
-    """A transient Rich progress bar on stderr, fed by (done, total, detail) callbacks."""
-    if not enabled:
-        yield None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _in_phase(progress: ProgressFn | None, phase: str) -> ProgressFn | None:
+    """`progress` with its third argument (a tensor name, say) replaced by `phase`."""
+    if progress is None:
+        return None
+    report = progress
 
-    console = Console(stderr=True)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
-        task = bar.add_task(description, total=None)
+    def in_phase(done: int, total: int, _detail: str) -> None:
+        report(done, total, phase)
 
-        def update(done: int, total: int, _detail: str) -> None:
-            bar.update(task, completed=done, total=total)
-
-        yield update
+    return in_phase

@@ -44,7 +44,8 @@ class Abort(msgspec.Struct, tag=True):
 class Utility(msgspec.Struct, tag=True):
     """A call on the core answered by a UtilityResult with the same call_id.
 
-    Methods: "ping" (heartbeat), "stats", "reset_prefix_cache", "kv_block_states".
+    Methods: "ping" (heartbeat), "reset_prefix_cache", "kv_block_states". (Stats are not asked for:
+    the core publishes them on EngineOutputs.)
     """
 
     call_id: int
@@ -84,6 +85,10 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True):
+    """The core's published snapshot: on an EngineOutputs at most every STATS_INTERVAL_S while busy,
+    when it goes idle, and every IDLE_STATS_INTERVAL_S while idle (izh.engine.core_proc). The frontend
+    keeps the latest one, so that /v1/izh/stats never waits for a step."""
+
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
@@ -98,6 +103,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_generation_tokens: int = 0
     iteration_tokens: list[int] = []
     """Tokens scheduled in each step since the last stats message."""
+    kv_block_states: bytes | None = None
+    """One byte per block id (0 free, 1 cached, 2 used); None when this message carries no block map
+    (it rides at most every BLOCK_MAP_INTERVAL_S: building it is O(num_blocks))."""
 
 
 class EngineOutputs(msgspec.Struct, tag=True, kw_only=True):
@@ -105,6 +113,8 @@ class EngineOutputs(msgspec.Struct, tag=True, kw_only=True):
 
     outputs: list[EngineOutput]
     timestamp: float
+    """The core's time.monotonic() when it sent this (the same clock as the frontend's on one machine:
+    the age of `stats`)."""
     stats: SchedulerStats | None = None
 
 

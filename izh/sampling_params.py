@@ -1,5 +1,9 @@
 """SamplingParams: every per-request sampling field, validated once at the edge.
 
+Construction (and msgspec's replace and decode) checks every field that the model does not
+matter to; the frontend's one validation point (izh.frontend.input_processor) adds the
+vocabulary-dependent checks with `validate_vocab` once it knows the model.
+
 No torch here: the API process builds these and sends them to the engine core as msgpack.
 """
 
@@ -8,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -24,6 +29,10 @@ MAX_REPETITION_PENALTY = 2.0
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
+# vLLM's GPU sampler caps bad words at 128 a request; their text is bounded too, so that the
+# engine's matching of each word against the output's end every step stays small.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_CHARS = 4096
 # torch.Generator.manual_seed accepts exactly this range.
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
@@ -78,6 +87,15 @@ def _check_token_ids(param: str, token_ids: object, vocab_size: int | None) -> N
         raise InvalidRequest(f"{param} must be a list of token ids", param=param)
     for token_id in token_ids:
         _check_token_id(param, token_id, vocab_size)
+
+
+def _check_below_vocab(param: str, token_ids: Iterable[int], vocab_size: int) -> None:
+    """The vocabulary-dependent half of `_check_token_ids` (ids already known to be ints >= 0)."""
+    for token_id in token_ids:
+        if token_id >= vocab_size:
+            raise InvalidRequest(
+                f"{param} contains token id {token_id}, outside [0, {vocab_size})", param=param
+            )
 
 
 def _check_token_id(param: str, token_id: object, vocab_size: int | None) -> None:
@@ -153,9 +171,11 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample one request: vLLM's fields and defaults, validated on construction and on decode.
 
-    `top_k` 0 (or -1, normalised to 0) means off; `max_tokens` None means "up to the context length".
-    The vocabulary-dependent checks (token ids in range) run in `validate(vocab_size)`, which the
-    engine calls once it knows the model.
+    `top_k` 0 (or -1, normalised to 0) means off; `max_tokens` None means "up to the context length",
+    0 "compute the prompt only" (its prompt_logprobs; the request samples nothing).
+    Construction checks every field with token ids only >= 0; the vocabulary-dependent checks
+    (token ids < vocab_size) run once, in `validate_vocab`, where the frontend validates a request
+    (izh.frontend.input_processor.validate_request).
     """
 
     n: int = 1
@@ -177,6 +197,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    """Only these ids may be sampled (None: any). Duplicates are dropped."""
+    bad_words: list[str] = []
+    """Words never to generate, as vLLM bans them: see `with_bad_words_token_ids`."""
+    bad_words_token_ids: list[list[int]] = []
+    """Token sequences never to generate: a sequence's last token is masked whenever the output
+    ends with the rest of it (a one-token sequence always). The engine adds bad_words' own."""
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     """Accepted for vLLM compatibility; like transformers' and vLLM's fast (Rust) tokenizers, which are
@@ -185,7 +211,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def __post_init__(self) -> None:
         self._normalise()
-        self.validate()
+        self._validate_fields()
 
     @property
     def is_greedy(self) -> bool:
@@ -196,17 +222,82 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         """A deep copy: mutating the clone's lists or dicts leaves this one alone."""
         return copy.deepcopy(self)
 
+    def with_max_tokens(self, max_tokens: int) -> SamplingParams:
+        """A copy with `max_tokens` set (this one is unchanged); no check runs again, so the caller
+        guarantees 0 <= max_tokens, and min_tokens <= max_tokens unless max_tokens is 0."""
+        resolved = copy.copy(self)
+        resolved.max_tokens = max_tokens
+        return resolved
+
+    def with_bad_words_token_ids(self, encode: Callable[[str], list[int]], vocab_size: int) -> SamplingParams:
+        """A copy whose bad_words_token_ids also hold bad_words' token sequences (this one is unchanged).
+
+        As vLLM: each word, leading whitespace stripped, is encoded (`encode` adds no special
+        tokens) as is and with a leading space, so it is banned at the start of the text and after
+        a space. Unlike vLLM, the spaced form is always kept: vLLM drops it unless it has as many
+        tokens as the bare one, which lets " sunny" (one SmolLM2 token) through because "sunny" takes
+        two. (Where a tokenizer adds the space itself, the spaced form only repeats the bare one's
+        ban.) A sequence with an id the model can never produce (>= vocab_size) can never appear,
+        so it is left out.
+        """
+        if not self.bad_words:
+            return self
+        sequences = [list(ids) for ids in self.bad_words_token_ids]
+        for word in self.bad_words:
+            for form in (word.lstrip(), " " + word.lstrip()):
+                ids = encode(form)
+                if ids and max(ids) < vocab_size and ids not in sequences:
+                    sequences.append(ids)
+        # A shallow copy, not msgspec's replace: that would run every check again, and the new
+        # sequences are the tokenizer's, valid by construction.
+        resolved = copy.copy(self)
+        resolved.bad_words_token_ids = sequences
+        return resolved
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequest naming the offending field for any invalid value.
 
-        Without `vocab_size` token ids are only checked to be non-negative.
+        Construction already ran the vocabulary-independent checks; call this only after mutating a
+        field in place. With `vocab_size` the token ids are checked against it too (`validate_vocab`).
         """
+        self._validate_fields()
+        if vocab_size is not None:
+            self.validate_vocab(vocab_size)
+
+    def validate_vocab(self, vocab_size: int) -> None:
+        """Raise InvalidRequest unless every token id is below `vocab_size`.
+
+        Only the vocabulary-dependent checks: the fields' types, ranges and non-negative ids were
+        checked on construction. Fields are checked in `validate`'s order, with its messages.
+        """
+        _check_below_vocab("stop_token_ids", self.stop_token_ids, vocab_size)
+        if self.logit_bias is not None:
+            _check_below_vocab("logit_bias", self.logit_bias, vocab_size)
+        if self.allowed_token_ids is not None:
+            _check_below_vocab("allowed_token_ids", self.allowed_token_ids, vocab_size)
+        for ids in self.bad_words_token_ids:
+            _check_below_vocab("bad_words_token_ids", ids, vocab_size)
+
+    def max_token_id(self) -> int:
+        """The largest token id a field names (-1 for none): the engine core's cheap invariant
+        check that `validate_vocab` passed (an id past the vocabulary would fail its whole step)."""
+        largest = max(self.stop_token_ids, default=-1)
+        if self.logit_bias:
+            largest = max(largest, max(self.logit_bias))
+        if self.allowed_token_ids:
+            largest = max(largest, max(self.allowed_token_ids))
+        for ids in self.bad_words_token_ids:
+            largest = max(largest, max(ids, default=-1))
+        return largest
+
+    def _validate_fields(self) -> None:
+        """Every check that needs no vocabulary (token ids only >= 0)."""
         self._validate_sampling()
         self._validate_penalties()
         self._validate_lengths()
         self._validate_logprobs()
-        self._validate_stops(vocab_size)
-        self._validate_token_constraints(vocab_size)
+        self._validate_stops(None)
+        self._validate_token_constraints(None)
         for flag in (
             "include_stop_str_in_output",
             "ignore_eos",
@@ -250,7 +341,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def _validate_lengths(self) -> None:
         if self.max_tokens is not None:
-            self.max_tokens = _check_int("max_tokens", self.max_tokens, 1)
+            # 0 asks for the prompt alone: computed (for prompt_logprobs), nothing sampled.
+            self.max_tokens = _check_int("max_tokens", self.max_tokens, 0)
         self.min_tokens = _check_int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequest(
@@ -284,6 +376,31 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             # An empty allow-list would mask every token and leave nothing to sample.
             if not self.allowed_token_ids:
                 raise InvalidRequest("allowed_token_ids must not be empty", param="allowed_token_ids")
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
+        self._validate_bad_words(vocab_size)
+
+    def _validate_bad_words(self, vocab_size: int | None) -> None:
+        param = "bad_words"
+        if not isinstance(self.bad_words, list) or not all(isinstance(word, str) for word in self.bad_words):
+            raise InvalidRequest("bad_words must be a list of strings", param=param)
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidRequest(
+                f"bad_words has {len(self.bad_words)} words; at most {MAX_BAD_WORDS} are supported",
+                param=param,
+            )
+        if sum(len(word) for word in self.bad_words) > MAX_BAD_WORDS_CHARS:
+            raise InvalidRequest(f"bad_words exceed {MAX_BAD_WORDS_CHARS} characters in all", param=param)
+        for word in self.bad_words:
+            if not word.strip():
+                raise InvalidRequest(f"bad_words entries must be words, got {word!r}", param=param)
+        param = "bad_words_token_ids"
+        sequences = self.bad_words_token_ids
+        if not isinstance(sequences, list):
+            raise InvalidRequest("bad_words_token_ids must be a list of token id lists", param=param)
+        for ids in sequences:
+            _check_token_ids(param, ids, vocab_size)
+            if not ids:
+                raise InvalidRequest("bad_words_token_ids must not contain an empty sequence", param=param)
 
 
 def _bias_key(key: Any) -> Any:

@@ -14,8 +14,8 @@ Sources, lowest precedence first:
   are errors, so typos are caught;
 * environment variables ``IZH_<SECTION>__<FIELD>`` (``IZH_ENGINE__MAX_NUM_SEQS=64``); an ``IZH_*`` variable
   naming a known section but an unknown field is an error. ``IZH_CACHE_DIR`` is a shortcut for
-  ``model.cache_dir``. An empty value (or ``none``) unsets an optional field. Lists take a JSON list
-  or a comma-separated string;
+  ``model.cache_dir``, ``IZH_CPU_KERNELS`` for ``engine.cpu_kernels`` (``0`` = off). An empty value (or
+  ``none``) unsets an optional field. Lists take a JSON list or a comma-separated string;
 * command-line flags, passed to :func:`load_settings` as ``overrides`` keyed by dotted name.
 
 Flag naming rule (:func:`settings_flag_specs`): every field gets one flag named after the field, vLLM
@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 ENV_PREFIX = "IZH_"
 ENV_NESTED_DELIMITER = "__"
 # Shortcut variables, each standing for one dotted setting; the nested form wins when both are set.
-_ENV_SHORTCUTS: dict[str, str] = {"IZH_CACHE_DIR": "model.cache_dir"}
+_ENV_SHORTCUTS: dict[str, str] = {"IZH_CACHE_DIR": "model.cache_dir", "IZH_CPU_KERNELS": "engine.cpu_kernels"}
 _NONE_WORDS = frozenset({"", "none", "null"})
 DEFAULT_CACHE_DIR = "~/.cache/izh"
 _MASK = "**********"
@@ -129,6 +129,22 @@ def _lower(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
 
 
+CPU_KERNEL_CHOICES = ("auto", "off", "generic", "avx2", "avx512", "amx", "neon")
+_OFF_WORDS = frozenset({"0", "false", "no", "off"})
+_ON_WORDS = frozenset({"1", "true", "yes", "on"})
+
+
+def parse_cpu_kernels(value: Any) -> Any:
+    """engine.cpu_kernels: lowercased; 0 / false / no mean off and 1 / true / yes / on mean auto (the old
+    IZH_CPU_KERNELS=0 switch); other values pass through to the choices check."""
+    if isinstance(value, bool):
+        return "auto" if value else "off"
+    if not isinstance(value, str):
+        return value
+    word = value.strip().lower()
+    return "off" if word in _OFF_WORDS else "auto" if word in _ON_WORDS else word
+
+
 ByteSize = BeforeValidator(parse_byte_size)
 StringList = BeforeValidator(parse_string_list)
 CaseInsensitive = BeforeValidator(_lower)
@@ -159,13 +175,14 @@ class ModelSettings(_Section):
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], CaseInsensitive] = Field(
         default="auto",
         description="Weight and activation dtype; auto is bfloat16 on CUDA, and on CPU bfloat16 for a "
-        "quantized GGUF when the CPU has native bfloat16 (AVX512-BF16 or AMX), else float32.",
+        "quantized GGUF where izh's bfloat16 kernels run (AVX512-BF16 or AMX), else float32 (never a "
+        "dtype the CPU only emulates).",
     )
     quantization: Annotated[Literal["auto", "none", "int4", "int8"], CaseInsensitive] = Field(
         default="auto",
-        description="Weight-only packed matmuls for decode batches of up to 4 tokens on CPU (bfloat16): "
-        "auto packs what a GGUF stores quantized (Q4 as int4, exact); int4 / int8 pack every linear "
-        "(lossy for a float checkpoint); none keeps dense weights only.",
+        description="Weight-only packed matmuls on CPU (every step in float32; decode steps of up to 8 "
+        "or 64 rows in bfloat16): auto packs what a GGUF stores quantized (Q4 as int4, exact); int4 / "
+        "int8 pack every linear (lossy for a float checkpoint); none keeps dense weights only.",
     )
     device: Annotated[Literal["auto", "cpu", "cuda"], CaseInsensitive] = Field(
         default="auto", description="Device to run on; auto picks CUDA when available, else CPU."
@@ -201,10 +218,11 @@ class EngineSettings(_Section):
         description="Fraction of free memory (device memory on GPU) given to the KV cache when "
         "kv_cache_memory_bytes is unset (on CPU at most 4 GiB).",
     )
-    max_num_batched_tokens: int = Field(
-        default=2048,
+    max_num_batched_tokens: int | None = Field(
+        default=None,
         gt=0,
-        description="Token budget of one engine step (prefill chunks and decodes together).",
+        description="Token budget of one engine step (prefill chunks and decodes together); unset = 2048 "
+        "on CUDA, 128 on CPU (where a 2048-token prefill step takes seconds, and every decode waits for it).",
     )
     max_num_seqs: int = Field(default=128, gt=0, description="Most sequences running in one engine step.")
     enable_prefix_caching: bool = Field(
@@ -228,6 +246,14 @@ class EngineSettings(_Section):
         default="auto",
         description="Attention implementation: auto (triton_paged on CUDA with Triton, else torch_paged), "
         "torch_paged or triton_paged.",
+    )
+    cpu_kernels: Annotated[
+        Literal["auto", "off", "generic", "avx2", "avx512", "amx", "neon"], BeforeValidator(parse_cpu_kernels)
+    ] = Field(
+        default="auto",
+        description="izh's C kernels on CPU: auto (the best variant this CPU runs: amx, avx512, avx2 or "
+        "generic; neon on ARM), a variant by name (an error when the CPU lacks its flags), or off (plain "
+        "torch). Built with gcc on first use into <cache_dir>/kernels. Also IZH_CPU_KERNELS (0 = off).",
     )
     core_mode: Annotated[Literal["process", "thread"], CaseInsensitive] = Field(
         default="process",
@@ -536,6 +562,8 @@ class IzhSettings(BaseSettings):
             num_threads=engine.num_threads,
             enforce_eager=engine.enforce_eager,
             attention_backend=engine.attention_backend,
+            cpu_kernels=engine.cpu_kernels,
+            cache_dir=str(model.cache_dir),
         )
 
     @property
@@ -752,6 +780,25 @@ def env_cache_dir(env: Mapping[str, str] | None = None) -> Path:
     source = os.environ if env is None else env
     raw = source.get("IZH_MODEL__CACHE_DIR") or source.get("IZH_CACHE_DIR") or DEFAULT_CACHE_DIR
     return Path(raw).expanduser()
+
+
+def env_cpu_kernels(env: Mapping[str, str] | None = None) -> str:
+    """engine.cpu_kernels from the environment alone, for code that has no IzhSettings (the offline LLM).
+
+    IZH_ENGINE__CPU_KERNELS, else IZH_CPU_KERNELS (0 = off), else auto. Raises SettingsError for a value
+    that is not a choice."""
+    source = os.environ if env is None else env
+    for var in ("IZH_ENGINE__CPU_KERNELS", "IZH_CPU_KERNELS"):
+        raw = source.get(var)
+        if raw is not None and raw.strip():
+            value = parse_cpu_kernels(raw)
+            if value not in CPU_KERNEL_CHOICES:
+                raise SettingsError(
+                    f"engine.cpu_kernels: expected one of {', '.join(CPU_KERNEL_CHOICES)} (got {raw}, "
+                    f"from environment variable {var})"
+                )
+            return str(value)
+    return "auto"
 
 
 # ---------------------------------------------------------------------------------------------------

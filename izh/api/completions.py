@@ -1,13 +1,14 @@
 """POST /v1/completions: text or token-id prompts (one or a batch), n samples each, stream or not.
 
 Choice `index` = prompt_index * n + sample_index. With `echo`, each choice starts with its prompt
-(and, with logprobs, the prompt's logprobs; the first prompt token has none). Output constraints
-(structured_outputs, guided_*, response_format) apply to every choice's completion.
+(and, with logprobs, the prompt's logprobs; the first prompt token has none). `echo` with
+`max_tokens: 0` scores a prompt (OpenAI's legacy API, eval harnesses): the engine computes the
+prompt and samples nothing, and the choice is the prompt with its logprobs, finish_reason "length".
+Output constraints (structured_outputs, guided_*, response_format) apply to every choice's completion.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -16,90 +17,36 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import Response
 
+from izh.api.completion_prompt import Prompt, encode_prompts
+from izh.api.constraints import check_constraint, requested_constraints, single_constraint
+from izh.api.fanout import Child, UsageCounter, admit, merge_outputs, respond
+from izh.api.logprobs import append_completion_logprobs, prompt_logprobs_json
 from izh.api.protocol import (
     CompletionChoice,
     CompletionLogprobs,
-    CompletionPrompt,
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
 )
-from izh.api.serving import (
-    ApiState,
-    Child,
-    UsageCounter,
-    admit,
-    api_state,
-    append_completion_logprobs,
-    build_sampling_params,
-    check_constraint,
-    check_model,
-    check_prompt_token_ids,
-    check_serving,
-    merge_outputs,
-    prompt_logprobs_json,
-    read_json,
-    request_id_of,
-    requested_constraints,
-    resolve_max_tokens,
-    respond,
-    single_constraint,
-)
+from izh.api.sampling import completion_sampling_params
 from izh.api.sse import data_event
+from izh.api.state import api_state, check_model, check_serving, read_json, request_id_of
 from izh.errors import InvalidRequest
 from izh.frontend.output_processor import RequestOutput
-from izh.sampling_params import SamplingParams, StructuredOutputsParams
 from izh.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class Prompt:
-    """One prompt of the batch: its token ids, and its text when echo needs it."""
-
-    token_ids: list[int]
-    text: str = ""
-
-
-def split_prompts(prompt: CompletionPrompt) -> list[str | list[int]]:
-    """The batch in `prompt`: a string, a list of token ids, or a list of either."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise InvalidRequest("prompt must not be empty", param="prompt")
-    if all(isinstance(item, int) for item in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return list(prompt)  # type: ignore[arg-type]
-
-
-def _encode_prompts(
-    tokenizer: Tokenizer, prompts: list[str | list[int]], add_special_tokens: bool, echo: bool
-) -> list[Prompt]:
-    result = []
-    for item in prompts:
-        if isinstance(item, str):
-            result.append(Prompt(tokenizer.encode(item, add_special_tokens=add_special_tokens), item))
-        else:
-            result.append(Prompt(item, tokenizer.decode(item) if echo else ""))
-    return result
-
-
-async def encode_prompts(
-    tokenizer: Tokenizer, prompt: CompletionPrompt, *, add_special_tokens: bool, echo: bool, vocab_size: int
-) -> list[Prompt]:
-    """Tokenize (off the event loop) and check every prompt of the batch."""
-    items = split_prompts(prompt)
-    prompts = await asyncio.to_thread(_encode_prompts, tokenizer, items, add_special_tokens, echo)
-    for i, item in enumerate(prompts):
-        param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
-        check_prompt_token_ids(item.token_ids, vocab_size, param)
-    return prompts
-
-
 def check_completion_request(body: CompletionRequest) -> None:
     if body.suffix is not None:
         raise InvalidRequest("suffix is not supported", param="suffix", code="unsupported")
+    if body.max_tokens == 0 and not body.echo:
+        raise InvalidRequest(
+            "max_tokens must be >= 1; 0 (no completion) is accepted only with echo, to score the "
+            "prompt (its text and, with logprobs, its logprobs)",
+            param="max_tokens",
+        )
     if body.best_of is not None and body.best_of != body.n:
         raise InvalidRequest(
             f"best_of must equal n (izh returns every sample it generates), got best_of={body.best_of}, n={body.n}",
@@ -145,7 +92,7 @@ async def create_completion(request: Request) -> Response:
         await check_constraint(state, constraint)
     structured_outputs = constraint.spec if constraint is not None else None
     params = [
-        _sampling_params(state, body, prompt, i, len(prompts), structured_outputs)
+        completion_sampling_params(state, body, len(prompt.token_ids), i, len(prompts), structured_outputs)
         for i, prompt in enumerate(prompts)
     ]
     request_id = request_id_of(request)
@@ -181,39 +128,6 @@ async def create_completion(request: Request) -> Response:
         keepalive_s=state.sse_keepalive_s,
         request_id=request_id,
     )
-
-
-def _sampling_params(
-    state: ApiState,
-    body: CompletionRequest,
-    prompt: Prompt,
-    index: int,
-    num_prompts: int,
-    structured_outputs: StructuredOutputsParams | None,
-) -> SamplingParams:
-    max_tokens = resolve_max_tokens(
-        body.max_tokens,
-        # The field defaults to 16 (OpenAI's legacy default), which clamps rather than refuses.
-        explicit="max_tokens" in body.model_fields_set and body.max_tokens is not None,
-        default=state.sampling_defaults.get("max_tokens"),
-        num_prompt_tokens=len(prompt.token_ids),
-        max_model_len=state.max_model_len,
-        param="prompt" if num_prompts == 1 else f"prompt.{index}",
-    )
-    prompt_logprobs = body.prompt_logprobs
-    if body.echo and body.logprobs is not None:
-        # Echoed prompt tokens carry logprobs too: ask the engine for the prompt's.
-        prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
-    params = build_sampling_params(
-        body,
-        state.sampling_defaults,
-        max_tokens=max_tokens,
-        logprobs=body.logprobs,
-        prompt_logprobs=prompt_logprobs,
-        structured_outputs=structured_outputs,
-    )
-    params.validate(state.llm.ready.vocab_size)
-    return params
 
 
 def _first_token_strs(ctx: CompletionContext, child: Child) -> list[str]:

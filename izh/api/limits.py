@@ -1,8 +1,9 @@
 """Bounds on what one request may ask for, checked on the raw JSON before any route or model runs.
 
-The app's middleware reads the body (bounded in bytes and time), parses it once with the C JSON
-parser, refuses a body nested deeper than `max_json_depth` before walking it further, then checks the
-counts and sizes below (each a `[limits]` setting). Every refusal is a 400 `limit_exceeded` whose
+The request guard reads the body (bounded in bytes and time), parses it once (`parse_json`: with
+the parser of pydantic's JSON mode, so that the route can validate the same value), refuses a body
+nested deeper than `max_json_depth` before walking it further, then checks the counts and sizes below
+(each a `[limits]` setting). Every refusal is a 400 `limit_exceeded` whose
 message names the setting and whose `param` is the offending field. Values of the wrong type are left
 alone: the route's own validation names those.
 
@@ -16,23 +17,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from izh.errors import InvalidRequest, IzhError
+import pydantic_core
+
+from izh.errors import InvalidRequest, LimitExceeded
 from izh.settings import LimitSettings
-
-
-class LimitExceeded(InvalidRequest):
-    """A request asks for more than a `[limits]` setting allows (HTTP 400)."""
-
-    default_code = "limit_exceeded"
-
-
-class RequestTimeout(IzhError):
-    """The client did not send its request body in time (HTTP 408)."""
-
-    status_code = 408
-    error_type = "invalid_request_error"
-    default_code = "request_timeout"
-
 
 NOT_JSON = object()
 """What `load_json` returns for a body the JSON parser refuses."""
@@ -50,6 +38,23 @@ def load_json(body: bytes, max_depth: int) -> Any:
     if json_depth(data, max_depth) > max_depth:
         raise _too_deep(None, max_depth)
     return data
+
+
+def parse_json(body: bytes, max_depth: int) -> tuple[Any, bool]:
+    """(the parsed body or NOT_JSON, whether pydantic's JSON mode reads the body as this value).
+
+    pydantic's own JSON parser comes first: a route may validate its value with `model_validate`
+    and get exactly what `model_validate_json` of the bytes would give. What that parser refuses (not
+    JSON, a lone surrogate, UTF-16, nesting past its recursion limit) goes through `load_json` as
+    ever, for the same verdict as before; the route then parses the bytes itself.
+    """
+    try:
+        data = pydantic_core.from_json(body)
+    except (ValueError, RecursionError):
+        return load_json(body, max_depth), False
+    if json_depth(data, max_depth) > max_depth:
+        raise _too_deep(None, max_depth)
+    return data, True
 
 
 def json_depth(value: Any, stop_above: int) -> int:

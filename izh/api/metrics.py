@@ -1,6 +1,6 @@
 """Prometheus metrics: the `izh:` mirror of vLLM's `vllm:` names, types, labels and buckets.
 
-Same names (after the prefix), labels and bucket edges as vLLM (peers.md §3), so vLLM's Grafana
+Same names (after the prefix), labels and bucket edges as vLLM's `vllm:` metrics, so vLLM's Grafana
 dashboard and the vllm-htop / vllm-top monitors work on izh by swapping the prefix. Each app owns
 its own CollectorRegistry, so several apps (tests) can live in one process.
 """
@@ -226,12 +226,27 @@ class PrometheusStatLogger:
         self.request_success[reason].inc()
         if m.max_tokens is not None:
             self.request_params_max_tokens.observe(m.max_tokens)
-        if not m.first_token_time:
+        # A prompt scored with max_tokens 0 finishes "length" once its prefill is done, with no token.
+        prompt_only = m.max_tokens == 0 and m.finish_reason == "length"
+        if not m.first_token_time and not prompt_only:
             return  # never reached its first token: no prefill happened, no latencies to report
         self.prompt_tokens.inc(m.num_prompt_tokens)
         self.request_prompt_tokens.observe(m.num_prompt_tokens)
         self.request_generation_tokens.observe(m.num_generation_tokens)
-        self._observe_latencies(m)
+        if prompt_only:
+            self._observe_prompt_only_latencies(m)
+        else:
+            self._observe_latencies(m)
+
+    def _observe_prompt_only_latencies(self, m: RequestMetrics) -> None:
+        """No first token, so no TTFT, decode or per-token times: its prefill ends at its finish."""
+        end = m.finished_time or m.arrival_time
+        self.e2e.observe(max(end - m.arrival_time, 0.0))
+        if m.scheduled_ts:
+            self.prefill_time.observe(max(end - m.scheduled_ts, 0.0))
+            self.inference_time.observe(max(end - m.scheduled_ts, 0.0))
+            if m.queued_ts:
+                self.queue_time.observe(max(m.scheduled_ts - m.queued_ts, 0.0))
 
     def _observe_latencies(self, m: RequestMetrics) -> None:
         self.ttft.observe(max(m.first_token_time - m.arrival_time, 0.0))

@@ -6,7 +6,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from izh.api.protocol import ModelCard, ModelList
-from izh.api.serving import ApiState, api_state, json_response
+from izh.api.state import ApiState, api_state, json_response
 from izh.errors import ModelNotFound
 
 

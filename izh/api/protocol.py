@@ -7,100 +7,31 @@ that every rejection names its field in OpenAI's error envelope.
 
 from __future__ import annotations
 
-import logging
-import re
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 import pydantic
-from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_serializer
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from izh.errors import InvalidRequest, IzhError, NotFound, PayloadTooLarge
-
-logger = logging.getLogger(__name__)
-
-# --- errors -------------------------------------------------------------------------------------
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error envelope: `{"error": {"message", "type", "param", "code"}}`."""
-
-    error: ErrorInfo
-
-
-def error_response(err: IzhError) -> ErrorResponse:
-    return ErrorResponse(
-        error=ErrorInfo(message=err.message, type=err.error_type, param=err.param, code=err.code)
-    )
-
-
-class HTTPStatusError(IzhError):
-    """A plain HTTP error raised by the framework (405, ...) that izh/errors.py has no class for."""
-
-    error_type = "invalid_request_error"
-
-    def __init__(self, message: str, status_code: int) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-
-
-def to_izh_error(exc: BaseException, request_id: str | None = None) -> IzhError:
-    """THE mapping from any exception to the IzhError that describes it to a client.
-
-    Used by the app's exception handlers and by SSE error events, so a failure reads the same
-    before and after a stream has started. Unexpected exceptions are logged with their traceback
-    and become a 500 that reveals nothing of the internals.
-    """
-    if isinstance(exc, IzhError):
-        return exc
-    if isinstance(exc, RequestValidationError | pydantic.ValidationError):
-        return validation_error_to_invalid_request(exc)
-    if isinstance(exc, HTTPException):
-        if exc.status_code == 404:
-            return NotFound(str(exc.detail) if exc.detail else "not found")
-        return HTTPStatusError(str(exc.detail), exc.status_code)
-    logger.error("[%s] unexpected error", request_id or "-", exc_info=exc)
-    return IzhError("internal server error", code="internal_error")
-
-
-# Pydantic names the union member it tried inside an error's location ("str", "list[ContentPart]",
-# "NamedToolChoice", "function-after[...]"); field names are lowercase identifiers without these.
-_UNION_TAG = re.compile(r"^(str|int|float|bool|list|dict|tuple|none|literal|[A-Z].*|.*[\[\-].*)$")
-
-
-def _is_union_tag(part: object) -> bool:
-    return isinstance(part, str) and _UNION_TAG.match(part) is not None
-
-
-def validation_error_to_invalid_request(exc: pydantic.ValidationError | Any) -> InvalidRequest:
-    """The first pydantic error as a 400 whose param is the field path ("messages.0.role").
-
-    Accepts pydantic's ValidationError and FastAPI's RequestValidationError (both have .errors()).
-    """
-    errors = exc.errors()
-    if not errors:
-        return InvalidRequest("invalid request body")
-    first = errors[0]
-    # FastAPI prefixes the location with "body"; the client knows its own body's field names.
-    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_tag(part)]
-    param = ".".join(loc) or None
-    where = f"{param}: " if param else ""
-    return InvalidRequest(f"{where}{first.get('msg', 'invalid value')}", param=param)
-
+from izh.api.errors import validation_error_to_invalid_request
+from izh.errors import InvalidRequest, PayloadTooLarge
 
 # --- reading a body -----------------------------------------------------------------------------
 
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
+PARSED_BODY = "parsed_body"
+"""The key of the ParsedBody in the ASGI scope's state (request.state.parsed_body)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedBody:
+    """A JSON body the request guard has read and parsed already, for the route to validate."""
+
+    raw: bytes
+    value: Any
+    """What pydantic's JSON parser reads `raw` as (izh.api.limits.parse_json)."""
 
 
 async def read_body(request: Request, max_body_bytes: int) -> bytes:
@@ -120,8 +51,21 @@ async def read_body(request: Request, max_body_bytes: int) -> bytes:
 
 
 async def parse_body(request: Request, model: type[RequestModel], max_body_bytes: int) -> RequestModel:
-    """Read and validate a JSON body: malformed JSON and wrong types are 400s naming the field."""
-    body = await read_body(request, max_body_bytes)
+    """Validate a JSON body: malformed JSON and wrong types are 400s naming the field.
+
+    The value the request guard parsed is validated as it is (`model_validate`); a request that
+    did not pass the guard's parsing (not JSON, or an app without the guard) is read and parsed here.
+    """
+    parsed = request.scope.get("state", {}).get(PARSED_BODY)
+    if isinstance(parsed, ParsedBody):
+        try:
+            return model.model_validate(parsed.value)
+        except pydantic.ValidationError:
+            # pydantic words errors by the input's kind ("a valid list" for Python data, "a valid
+            # array" for JSON): the JSON text is validated again, so that the 400 reads as ever.
+            body = parsed.raw
+    else:
+        body = await read_body(request, max_body_bytes)
     if not body.strip():
         raise InvalidRequest("the request body is empty; expected a JSON object")
     try:
@@ -209,6 +153,8 @@ class SamplingFields(RequestBase):
     min_tokens: Int64 = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -381,7 +327,7 @@ class ToolCall(BaseModel):
 
 class ChatMessage(BaseModel):
     """The assistant's answer; `reasoning_content` and `reasoning` carry the same text (both names
-    are in use by clients, see peers.md §2 row 4)."""
+    are in use by clients: DeepSeek's API and vLLM wrote `reasoning_content`, newer vLLM `reasoning`)."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
@@ -515,3 +461,27 @@ class DetokenizeRequest(RequestBase):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """GET /tokenizer_info: vLLM's shape, the served tokenizer as tokenizer_config.json spells it
+    (plus the special token ids); other special tokens the model names (sep_token, ...) are extras."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    unk_token_id: int | None
+    add_bos_token: bool
+    add_eos_token: bool
+    model_max_length: int
+    clean_up_tokenization_spaces: bool
+    chat_template: str | None
+    added_tokens_decoder: dict[str, str]
+    """Token id -> content of every added token, as vLLM flattens transformers' AddedToken."""

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from izh.errors import RateLimited
+from izh.errors import RateLimitExceeded
 from izh.settings import KeyRateLimit
 
 ANONYMOUS_KEY_ID = "anonymous"
@@ -46,14 +46,6 @@ def api_key_cache_salt(key: str) -> str:
     """The prefix-cache salt of a key: derived from the secret, so unknown to other tenants, and of
     fixed length, so that appending a request's own salt stays unambiguous."""
     return hashlib.sha256(b"izh-cache-salt\0" + key.encode()).hexdigest()
-
-
-class RateLimitExceeded(RateLimited):
-    """429: the key's bucket or concurrency is exhausted; retry after `retry_after_s`."""
-
-    def __init__(self, message: str, *, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(slots=True)
@@ -207,9 +199,10 @@ def estimate_request_tokens(body: Any, *, default_max_tokens: int, max_model_len
 
 
 def _requested_max_tokens(body: dict[str, Any]) -> int | None:
+    """The request's output budget; 0 (a prompt scored with echo) reserves no output tokens."""
     for name in ("max_completion_tokens", "max_tokens"):
         value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
     return None
 

@@ -17,7 +17,7 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from izh.api.protocol import error_response, to_izh_error
+from izh.api.errors import error_response, to_izh_error
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,9 @@ async def with_keepalive(events: AsyncIterator[bytes], interval_s: float | None)
 
     The first event is awaited in a task that survives the timeout (cancelling it would cancel the
     underlying request); after it, events pass straight through: a task and a wait per token would
-    cost more than the rest of the per-token path. Closing this generator closes `events`.
+    cost more than the rest of the per-token path. So a route's first event must wait for the
+    engine's first output (chat holds its role chunks until then), or the wait goes uncovered.
+    Closing this generator closes `events`.
     """
     if interval_s is None or interval_s <= 0:
         async for event in events:

@@ -1,8 +1,10 @@
-"""POST /tokenize and /detokenize, in vLLM's shapes.
+"""POST /tokenize and /detokenize, GET /tokenizer_info, in vLLM's shapes.
 
 /tokenize takes a completion `prompt` or chat `messages` (rendered through the chat template, as
 /v1/chat/completions would) and answers {"count", "max_model_len", "tokens"}; /detokenize takes
-{"tokens"} and answers {"prompt"}.
+{"tokens"} and answers {"prompt"}; /tokenizer_info describes the tokenizer as tokenizer_config.json
+would. Together they are the remote tokenizer of eval harnesses (lm-evaluation-harness's
+`tokenizer_backend=remote`).
 """
 
 from __future__ import annotations
@@ -12,10 +14,22 @@ import asyncio
 from starlette.requests import Request
 from starlette.responses import Response
 
-from izh.api.chat import render_chat_prompt
-from izh.api.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from izh.api.serving import api_state, check_model, json_response, read_json
+from izh.api.chat_prompt import render_chat_prompt
+from izh.api.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfoResponse,
+)
+from izh.api.state import api_state, check_model, json_response, read_json
 from izh.errors import InvalidRequest
+from izh.tokenizer import Tokenizer
+
+# izh runs the model's tokenizer.json as it is, whatever class tokenizer_config.json names: that is
+# what transformers' PreTrainedTokenizerFast(tokenizer_file=...) runs too.
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+_NAMED_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
 async def tokenize(request: Request) -> Response:
@@ -59,3 +73,38 @@ async def detokenize(request: Request) -> Response:
         raise InvalidRequest(f"token id {bad} is out of range [0, {vocab_size})", param="tokens")
     text = await asyncio.to_thread(state.llm.tokenizer.decode, body.tokens)
     return json_response(DetokenizeResponse(prompt=text))
+
+
+async def tokenizer_info(request: Request) -> Response:
+    state = api_state(request)
+    return json_response(describe_tokenizer(state.llm.tokenizer, state.max_model_len))
+
+
+def describe_tokenizer(tokenizer: Tokenizer, max_model_len: int) -> TokenizerInfoResponse:
+    """The tokenizer_config.json view of `tokenizer`; model_max_length is what this server admits."""
+    special = tokenizer.special_tokens
+    # What encode(add_special_tokens=True) adds, read off the post-processor's actual behaviour.
+    with_special = tokenizer.encode("a", add_special_tokens=True)
+    plain = tokenizer.encode("a", add_special_tokens=False)
+    bos_id, eos_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    added = tokenizer.backend.get_added_tokens_decoder()
+    extras = {name: content for name, content in special.items() if name not in _NAMED_TOKENS}
+    return TokenizerInfoResponse(
+        tokenizer_class=TOKENIZER_CLASS,
+        bos_token=special.get("bos_token"),
+        eos_token=special.get("eos_token"),
+        pad_token=special.get("pad_token"),
+        unk_token=special.get("unk_token"),
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=tokenizer.pad_token_id,
+        unk_token_id=tokenizer.unk_token_id,
+        add_bos_token=bos_id is not None and with_special[:1] == [bos_id] != plain[:1],
+        add_eos_token=eos_id is not None and with_special[-1:] == [eos_id] != plain[-1:],
+        model_max_length=max_model_len,
+        # decode() applies no clean-up of spaces before punctuation.
+        clean_up_tokenization_spaces=False,
+        chat_template=tokenizer.chat_template,
+        added_tokens_decoder={str(token_id): token.content for token_id, token in sorted(added.items())},
+        **extras,
+    )

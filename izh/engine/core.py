@@ -6,14 +6,13 @@ import logging
 import time
 from collections.abc import Callable
 
-from izh.config import EngineConfig
+from izh.config import EngineConfig, default_batched_tokens
 from izh.engine.guided import GrammarManager
 from izh.engine.kv_cache import KVCacheManager
 from izh.engine.model_runner import ModelRunner
 from izh.engine.request import Request, RequestStatus
 from izh.engine.scheduler import Scheduler, SchedulerOutput
-from izh.errors import InvalidRequest
-from izh.guided_spec import validate_spec
+from izh.errors import IzhError
 from izh.protocol import AddRequest, EngineOutput, SchedulerStats, TokenLogprobs
 from izh.tokenizer import load_tokenizer
 
@@ -53,7 +52,8 @@ class EngineCore:
         )
         self.scheduler = Scheduler(
             kv_cache_manager=self.kv_cache_manager,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=config.max_num_batched_tokens
+            or default_batched_tokens(self.runner.device.type),
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
@@ -74,18 +74,18 @@ class EngineCore:
     # --- requests -------------------------------------------------------------------------------
 
     def add_request(self, req: AddRequest) -> None:
-        """Queue a request; raises an IzhError (the request fails alone) when it is invalid."""
-        if req.request_id in self._requests:
-            raise InvalidRequest(f"request id {req.request_id!r} is already in use", param="request_id")
+        """Queue a request the frontend validated (izh.frontend.input_processor.validate_request).
+
+        Nothing user-facing is checked again here: a request that breaks what the validation
+        guarantees is a bug upstream, refused with an internal IzhError (500) before it touches
+        any state (its ids would index the embedding table), so that it fails alone.
+        """
+        self._check_valid(req)
         params = req.sampling_params
-        params.validate(self.vocab_size)
-        if not req.prompt_token_ids:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequest(
-                f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})", param="prompt"
-            )
+        # bad_words become token sequences here, once, where the tokenizer is (the sampler bans them).
+        params = params.with_bad_words_token_ids(
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False), self.vocab_size
+        )
         request = Request(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids),
@@ -96,7 +96,6 @@ class EngineCore:
             cache_salt=req.cache_salt,
         )
         if params.structured_outputs is not None:
-            validate_spec(params.structured_outputs)
             self._grammar_manager().add_request(req.request_id, params.structured_outputs)
         try:
             self.scheduler.add_request(request)
@@ -107,6 +106,30 @@ class EngineCore:
         self._requests[req.request_id] = request
         self._num_sent[req.request_id] = 0
         self._queued_ts[req.request_id] = time.monotonic()
+
+    def _check_valid(self, req: AddRequest) -> None:
+        """The invariants of a validated request, cheap: O(1) plus a min/max over the prompt's and
+        the params' token ids (an id past the vocabulary would fail the whole step, every request
+        in it, not this one alone)."""
+        problem = None
+        prompt = req.prompt_token_ids
+        max_tokens = req.sampling_params.max_tokens
+        if req.request_id in self._requests:
+            problem = "its id is already in use"
+        elif req.sampling_params.n != 1:
+            problem = f"n is {req.sampling_params.n}, not 1"
+        elif not prompt:
+            problem = "its prompt is empty"
+        elif min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            problem = f"a prompt token id is outside [0, {self.vocab_size})"
+        elif len(prompt) + (1 if max_tokens is None else max_tokens) > self.max_model_len:
+            problem = (
+                f"its {len(prompt)} prompt tokens and max_tokens {max_tokens} exceed {self.max_model_len}"
+            )
+        elif req.sampling_params.max_token_id() >= self.vocab_size:
+            problem = f"a sampling params token id is outside [0, {self.vocab_size})"
+        if problem is not None:
+            raise IzhError(f"internal error: request {req.request_id!r} was not validated: {problem}")
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
         live = [r for r in request_ids if r in self._requests]
@@ -132,8 +155,8 @@ class EngineCore:
         self.last_forward_s = runner_out.forward_s
         self.last_step_is_decode = sched.total_num_scheduled_tokens == len(sched.scheduled)
         self._iteration_tokens.append(sched.total_num_scheduled_tokens)
-        for request_id, entries in runner_out.prompt_logprobs.items():
-            self._prompt_logprobs.setdefault(request_id, []).extend(entries)
+        if runner_out.prompt_logprobs:
+            self._record_prompt_logprobs(sched, runner_out.prompt_logprobs)
         changed = self.scheduler.update_from_output(sched, runner_out.sampled_token_ids)
         failed: dict[str, str] = {}
         if self._grammar is not None and self._grammar.num_requests:
@@ -153,6 +176,21 @@ class EngineCore:
             if finish_reason is not None:
                 self._forget(request.request_id)
         return outputs
+
+    def _record_prompt_logprobs(
+        self, sched: SchedulerOutput, chunks: dict[str, list[TokenLogprobs | None]]
+    ) -> None:
+        """Append each request's chunk of prompt logprobs (entry i is prompt token i's)."""
+        for s in sched.scheduled:
+            request_id = s.request.request_id
+            entries = chunks.get(request_id)
+            if entries is None or self._num_sent.get(request_id, 0):
+                continue  # none asked, or sent with the first token already (a recomputation)
+            recorded = self._prompt_logprobs.setdefault(request_id, [])
+            # A preempted request recomputes from its first token: drop what the lost run recorded.
+            start = s.num_computed_tokens_before
+            del recorded[start + 1 if start else 0 :]
+            recorded.extend(entries)
 
     def _advance_grammars(self, changed: list[Request], sampled: dict[str, list[int]]) -> dict[str, str]:
         """Feed the sampled tokens to each constrained request's matcher; a grammar that reached its
@@ -202,7 +240,9 @@ class EngineCore:
         self._num_sent[request.request_id] = request.num_output_tokens
         prompt_logprobs = None
         queued_ts = scheduled_ts = 0.0
-        if sent == 0 and new_token_ids:
+        # The prompt's results go with the first output: its first token or, for a prompt-only
+        # request, its end.
+        if sent == 0 and (new_token_ids or (request.is_prompt_only and finish_reason == "length")):
             prompt_logprobs = self._prompt_logprobs.pop(request.request_id, None)
             queued_ts = self._queued_ts.get(request.request_id, 0.0)
             scheduled_ts = self._scheduled_ts.get(request.request_id, 0.0)

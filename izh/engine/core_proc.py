@@ -49,6 +49,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_CORE_FACTORY = "izh.engine.core:EngineCore"
 STATS_INTERVAL_S = 0.05
 """Scheduler stats ride on an outputs message at most this often while busy (and always when idle)."""
+BLOCK_MAP_INTERVAL_S = 0.25
+"""The KV block map (O(num_blocks) to build) rides on the stats at most this often while busy."""
+IDLE_STATS_INTERVAL_S = 1.0
+"""An idle core publishes its stats this often: the frontend's copy stays fresh (and it is alive)."""
 # Messages at least this big are sent without a copy; below it the copy is cheaper than the
 # bookkeeping of a zero-copy frame (pyzmq's own default threshold).
 _ZERO_COPY_MIN_BYTES = 64 * 1024
@@ -103,6 +107,10 @@ def run_engine_core(
     """
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread:
+        # SIGTERM stays pending until the I/O threads run and own their sockets. The threads inherit
+        # the mask, so the signal then reaches only this thread, and no start-up it interrupts can
+        # leave a socket that nobody closes (ctx.term() would wait for it forever).
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         ipc_paths = [a.removeprefix("ipc://") for a in (input_addr, output_addr) if a.startswith("ipc://")]
         _setup_process(log_level, ipc_paths)
     ctx = zmq.Context()
@@ -114,33 +122,33 @@ def run_engine_core(
     # Bound before Ready: the frontend connects once it is ready, and its first sends then queue
     # at once (a connecting PUSH gets its pipe immediately; a binding one only when a peer shows).
     in_sock.bind(input_addr)
+    loop = EngineCoreProc(in_sock, out_sock)
+    loop.start_io()
+    if in_main_thread:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     exit_code = 0
-    core: EngineCoreLike | None = None
     try:
-        core = _build_core(config, core_factory, out_sock)
-        if core is not None:
-            # The loop's threads close the sockets; term() waits for that (and wakes the input
-            # thread's blocking recv with ETERM).
-            exit_code = EngineCoreProc(core, in_sock, out_sock).run()
+        exit_code = loop.run(config, core_factory)
     finally:
-        out_sock.close()  # flushes a Dead within the linger time; closing twice is harmless
-        if core is None:
-            in_sock.close()  # no input thread ever owned it
+        # Flushes the queued messages (a Dead among them) within the linger time and shuts the core
+        # down; term() then wakes the input thread's blocking recv with ETERM, and it closes its socket.
+        loop.close()
         ctx.term()
     if exit_code:
         raise SystemExit(exit_code)
 
 
-def _build_core(config: EngineConfig, core_factory: str, out_sock: zmq.Socket) -> EngineCoreLike | None:
+def _build_core(
+    config: EngineConfig, core_factory: str, send: Callable[[EngineMessage], None]
+) -> EngineCoreLike | None:
     """The core, announced with Ready; or None after sending Dead with a one-line reason."""
-    encoder = make_encoder()
     try:
         factory = _resolve_factory(core_factory)
         core: EngineCoreLike = factory(config)
     except Exception as exc:  # every startup failure must reach the frontend as Dead
         reason = _one_line(exc)
         logger.error("EngineCore failed to start: %s", reason, exc_info=not isinstance(exc, IzhError))
-        out_sock.send(encoder.encode(Dead(reason)))
+        send(Dead(reason))
         return None
     ready = Ready(
         max_model_len=core.max_model_len,
@@ -151,7 +159,7 @@ def _build_core(config: EngineConfig, core_factory: str, out_sock: zmq.Socket) -
         device=core.device,
         dtype=core.dtype,
     )
-    out_sock.send(encoder.encode(ready))
+    send(ready)
     logger.info(
         "EngineCore ready: max_model_len=%d num_blocks=%d block_size=%d device=%s dtype=%s",
         core.max_model_len,
@@ -252,23 +260,34 @@ def _set_kernel_thread_name(name: bytes) -> None:
 class EngineCoreProc:
     """The busy loop around one core, with its input and output threads."""
 
-    def __init__(self, core: EngineCoreLike, in_sock: zmq.Socket, out_sock: zmq.Socket) -> None:
-        self.core = core
+    def __init__(self, in_sock: zmq.Socket, out_sock: zmq.Socket) -> None:
+        self.core: EngineCoreLike  # set by run() once built
+        self._has_core = False
         self._in_sock = in_sock
         self._out_sock = out_sock
         self._inputs: queue.SimpleQueue[EngineInput | _InputClosed] = queue.SimpleQueue()
         self._outputs: queue.SimpleQueue[EngineMessage | None] = queue.SimpleQueue()
+        self._input_thread = threading.Thread(target=self._input_loop, name="EngineCoreInput", daemon=True)
+        self._output_thread = threading.Thread(target=self._output_loop, name="EngineCoreOutput", daemon=True)
         self._last_stats_time = 0.0
+        self._last_block_map_time = 0.0
         self._stopping = False
 
-    def run(self) -> int:
-        """Serve until Shutdown (0) or a fatal error (1, after sending Dead)."""
-        input_thread = threading.Thread(target=self._input_loop, name="EngineCoreInput", daemon=True)
-        output_thread = threading.Thread(target=self._output_loop, name="EngineCoreOutput", daemon=True)
-        input_thread.start()
-        output_thread.start()
-        exit_code = 0
+    def start_io(self) -> None:
+        """Start the I/O threads; from here on they own the sockets (see close())."""
+        self._input_thread.start()
+        self._output_thread.start()
+
+    def run(self, config: EngineConfig, core_factory: str) -> int:
+        """Build the core, then serve until Shutdown (0) or a fatal error (1, after sending Dead).
+
+        A core that fails to build sends Dead and returns 0: the frontend has the reason."""
+        core = _build_core(config, core_factory, self._outputs.put)
+        if core is None:
+            return 0
+        self.core, self._has_core = core, True
         try:
+            self._send_outputs([], force_stats=True)  # the frontend has a snapshot from the start
             self._busy_loop()
         except Exception as exc:
             if isinstance(exc, _Fatal):
@@ -278,16 +297,18 @@ class EngineCoreProc:
                 reason = f"the engine core loop failed: {_one_line(exc)}"
             logger.error("EngineCore died: %s", reason)
             self._outputs.put(Dead(reason))
-            exit_code = 1
-        finally:
-            self._outputs.put(None)
-            output_thread.join()
-            self._out_sock.close()
-            # The input thread blocks in recv; closing the context (the caller's ctx.term()) wakes
-            # it with ETERM, and it closes its own socket. It is a daemon, so a process exit never
-            # waits for it.
+            return 1
+        return 0
+
+    def close(self) -> None:
+        """Send what is queued, close the output socket and shut the core down. The input thread
+        blocks in recv; the caller's ctx.term() wakes it with ETERM, and it closes its own socket.
+        It is a daemon, so a process exit never waits for it."""
+        self._outputs.put(None)
+        self._output_thread.join()
+        self._out_sock.close()
+        if self._has_core:
             self._shutdown_core()
-        return exit_code
 
     def _shutdown_core(self) -> None:
         try:
@@ -299,16 +320,25 @@ class EngineCoreProc:
 
     def _busy_loop(self) -> None:
         while not self._stopping:
+            was_idle = not self.core.has_unfinished_requests()
             self._process_inputs()
             if self._stopping:
                 return
             if self.core.has_unfinished_requests():
+                # Stats when due, and always on new work after idling: a long step (a prefill) then
+                # starts from a snapshot that already shows its requests.
+                self._send_outputs([], force_stats=was_idle)
                 self._step()
 
     def _process_inputs(self) -> None:
-        """Handle every queued input; block for one only while the core has nothing to do."""
+        """Handle every queued input; block for one only while the core has nothing to do (and then
+        publish the stats every IDLE_STATS_INTERVAL_S)."""
         if not self.core.has_unfinished_requests():
-            self._handle(self._inputs.get())
+            try:
+                self._handle(self._inputs.get(timeout=IDLE_STATS_INTERVAL_S))
+            except queue.Empty:
+                self._send_outputs([], force_stats=True)
+                return
         while not self._stopping:
             try:
                 msg = self._inputs.get_nowait()
@@ -325,12 +355,17 @@ class EngineCoreProc:
         self._send_outputs(outputs)
 
     def _send_outputs(self, outputs: list[EngineOutput], force_stats: bool = False) -> None:
-        """Queue one outputs message, with the scheduler stats when due (or when going idle)."""
+        """Queue one outputs message, with the scheduler stats when due (or when going idle), and
+        with the block map too when that is due or the core is idle."""
         now = time.monotonic()
         stats = None
-        if force_stats or now - self._last_stats_time >= STATS_INTERVAL_S or not self._has_work():
-            stats = self._make_stats()
+        idle = not self._has_work()
+        if force_stats or idle or now - self._last_stats_time >= STATS_INTERVAL_S:
+            with_map = force_stats or idle or now - self._last_block_map_time >= BLOCK_MAP_INTERVAL_S
+            stats = self._make_stats(with_map)
             self._last_stats_time = now
+            if with_map and stats is not None:
+                self._last_block_map_time = now
         if outputs or stats is not None:
             self._outputs.put(EngineOutputs(outputs=outputs, timestamp=now, stats=stats))
 
@@ -340,9 +375,12 @@ class EngineCoreProc:
         except Exception as exc:
             raise _Fatal(f"has_unfinished_requests() failed: {_one_line(exc)}") from exc
 
-    def _make_stats(self) -> SchedulerStats | None:
+    def _make_stats(self, with_block_map: bool) -> SchedulerStats | None:
         try:
-            return self.core.make_stats()
+            stats = self.core.make_stats()
+            if with_block_map:
+                stats.kv_block_states = bytes(self.core.kv_block_states())
+            return stats
         except Exception:
             # Stats are best effort: losing one message must not kill serving.
             logger.exception("EngineCore make_stats failed")
@@ -366,12 +404,17 @@ class EngineCoreProc:
             self._stopping = True
 
     def _add_request(self, req: AddRequest) -> None:
+        """Queue a request; one the core refuses fails alone, and the others go on.
+
+        The frontend validated the request (izh.frontend.input_processor), so a refusal here is a
+        bug upstream: the core's invariant checks raise an internal error (500) before touching
+        any state. It is logged and reported to that request only; the core keeps serving."""
         try:
             self.core.add_request(req)
-        except Exception as exc:  # a bad request fails alone; the others go on
+        except Exception as exc:
             code = exc.status_code if isinstance(exc, IzhError) else 500
             message = _one_line(exc)
-            logger.warning("request %s rejected by the core: %s", req.request_id, message)
+            logger.error("request %s rejected by the core: %s", req.request_id, message, exc_info=code >= 500)
             failed = EngineOutput(
                 request_id=req.request_id,
                 new_token_ids=[],
@@ -392,19 +435,13 @@ class EngineCoreProc:
     def _utility_result(self, method: str, args: list[Any]) -> Any:
         if method == "ping":
             return "pong"
-        if method == "stats":
-            # make_stats() hands over the per-step counts once: let the metrics stream see them too.
-            stats = self.core.make_stats()
-            self._last_stats_time = time.monotonic()
-            self._outputs.put(EngineOutputs(outputs=[], timestamp=self._last_stats_time, stats=stats))
-            return stats
         if method == "reset_prefix_cache":
-            return self.core.reset_prefix_cache()
+            reset = self.core.reset_prefix_cache()
+            self._send_outputs([], force_stats=True)  # the published block map changed
+            return reset
         if method == "kv_block_states":
             return self.core.kv_block_states()
-        raise ValueError(
-            f"unknown utility method {method!r} (ping, stats, reset_prefix_cache, kv_block_states)"
-        )
+        raise ValueError(f"unknown utility method {method!r} (ping, reset_prefix_cache, kv_block_states)")
 
     # --- I/O threads ----------------------------------------------------------------------------
 

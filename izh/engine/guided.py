@@ -9,6 +9,11 @@ EOS follows the grammar: while the grammar is incomplete EOS is masked; once it 
 allowed (and is the only token allowed when the grammar cannot go on). A grammar that cannot go
 on is `is_terminated`: the request finishes with "stop" without needing the EOS step. A matcher
 error (a token the grammar rejects, a grammar llguidance cannot build) fails that request alone.
+
+A request whose output holds JSON also has a bounds matcher (izh.guided_spec.bounds_grammar: the
+same output with every JSON number and whitespace run bounded), and its bitmask row is the AND of
+both. Should the AND ever leave no token (a schema that demands a longer lexeme than the bounds
+allow), the request drops its bounds and goes on under its grammar alone.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from izh.guided_spec import SpecKey, build_ll_tokenizer, compile_grammar, spec_key
+from izh.guided_spec import SpecKey, bounds_grammar, build_ll_tokenizer, compile_grammar, spec_key
 from izh.sampling_params import StructuredOutputsParams
 from izh.tokenizer import Tokenizer
 
@@ -64,12 +69,22 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+@dataclass(frozen=True, slots=True)
+class _Templates:
+    """A spec's compiled matchers, never advanced: requests get deep copies."""
+
+    grammar: llguidance.LLMatcher
+    bounds: llguidance.LLMatcher | None
+
+
 @dataclass(slots=True)
 class _GuidedRequest:
-    """One request's grammar: the compiled template while compiling, then its own matcher."""
+    """One request's grammar: the compiled templates while compiling, then its own matchers."""
 
-    compiled: Future[llguidance.LLMatcher]
+    compiled: Future[_Templates]
     matcher: llguidance.LLMatcher | None = None
+    bounds: llguidance.LLMatcher | None = None
+    """The lexeme bounds on the request's JSON, while they hold (see the module docstring)."""
     compile_error: str | None = None
 
 
@@ -97,9 +112,10 @@ class GrammarManager:
         self._owns_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="izh-grammar")
         self._mask_executor = llguidance.LLExecutor()
-        self._compiled: OrderedDict[SpecKey, Future[llguidance.LLMatcher]] = OrderedDict()
+        self._compiled: OrderedDict[SpecKey, Future[_Templates]] = OrderedDict()
         self._requests: dict[str, _GuidedRequest] = {}
         self._bitmask = _allocate_bitmask(max_num_rows, bitmask_words(vocab_size))
+        self._bounds_bitmask = _allocate_bitmask(max_num_rows, bitmask_words(vocab_size))
 
     # ---- request lifecycle -----------------------------------------------------------------
 
@@ -139,28 +155,37 @@ class GrammarManager:
     def fill_bitmask(self, request_ids: list[str | None]) -> torch.Tensor | None:
         """The bitmask [len(request_ids), words] int32 (CPU) for one batch of sampling rows.
 
-        Row i constrains request_ids[i]; a None row allows every token. None when no row has a
-        grammar. The tensor is a view of a reused buffer, valid until the next call. A row whose
-        grammar is still compiling waits for it (the scheduler should hold such requests).
+        Row i constrains request_ids[i] (its grammar AND its JSON bounds); a None row allows every
+        token. None when no row has a grammar. The tensor is a view of a reused buffer, valid until
+        the next call. A row whose grammar is still compiling waits for it (the scheduler should
+        hold such requests).
         Raises KeyError for an id that was never added: a silently unconstrained row would be
         the worst failure.
         """
         if all(request_id is None for request_id in request_ids):
             return None
-        bitmask = self._bitmask_rows(len(request_ids))
+        bitmask, bounds_bitmask = self._bitmask_rows(len(request_ids))
         bitmask.fill_(-1)
         rows: list[tuple[llguidance.LLMatcher, int]] = []
+        bounded: list[tuple[llguidance.LLMatcher, int]] = []
+        bounded_ids: list[str] = []
         for row, request_id in enumerate(request_ids):
             if request_id is None:
                 continue
-            matcher = self._matcher(request_id)
+            state = self._state(request_id)
+            matcher = self._ready_matcher(state)
             if matcher is None:
                 self._fill_eos_only(bitmask[row])
-            else:
-                rows.append((matcher, row))
+                continue
+            rows.append((matcher, row))
+            if state.bounds is not None:
+                bounded.append((state.bounds, row))
+                bounded_ids.append(request_id)
         if rows:
-            words = bitmask.shape[1]
-            self._mask_executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, len(request_ids))
+            self._compute_masks(rows, bitmask)
+        if bounded:
+            self._compute_masks(bounded, bounds_bitmask)
+            self._apply_bounds(bitmask, bounds_bitmask, [row for _, row in bounded], bounded_ids)
         return bitmask
 
     @staticmethod
@@ -186,7 +211,21 @@ class GrammarManager:
                     "request %s: grammar rejected token %d: %s", request_id, token_id, matcher.get_error()
                 )
                 return False
+            self._advance_bounds(request_id, state, token_id)
         return True
+
+    @staticmethod
+    def _advance_bounds(request_id: str, state: _GuidedRequest, token_id: int) -> None:
+        """Feed `token_id` to the request's bounds; ones that reject it (the token came from a mask
+        they did not shape) are dropped, never failing the request."""
+        bounds = state.bounds
+        if bounds is None or bounds.is_stopped():
+            return
+        if not bounds.consume_token(token_id):
+            logger.info(
+                "request %s: JSON bounds rejected token %d; going on without them", request_id, token_id
+            )
+            state.bounds = None
 
     def is_terminated(self, request_id: str) -> bool:
         """Whether the grammar has reached its end: nothing but EOS may follow, so the request is done."""
@@ -212,6 +251,7 @@ class GrammarManager:
         assert len(self._compiled) <= self.cache_size, (len(self._compiled), self.cache_size)
         for request_id, state in self._requests.items():
             assert state.matcher is None or state.compile_error is None, request_id
+            assert state.bounds is None or state.matcher is not None, request_id
 
     def shutdown(self) -> None:
         """Stop the compile thread (pending compilations are dropped)."""
@@ -220,7 +260,7 @@ class GrammarManager:
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _compile_async(self, spec: StructuredOutputsParams) -> Future[llguidance.LLMatcher]:
+    def _compile_async(self, spec: StructuredOutputsParams) -> Future[_Templates]:
         key = spec_key(spec)
         future = self._compiled.get(key)
         if future is not None and not future.cancelled():
@@ -232,21 +272,53 @@ class GrammarManager:
             self._compiled.popitem(last=False)
         return future
 
-    def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
-        """The template matcher of `spec` (never advanced; requests get deep copies). Runs in the
-        worker thread. A grammar error leaves the matcher in its error state rather than raising."""
-        return llguidance.LLMatcher(self.ll_tokenizer, compile_grammar(spec), log_level=0, limits=_LIMITS)
+    def _compile(self, spec: StructuredOutputsParams) -> _Templates:
+        """The template matchers of `spec`. Runs in the worker thread. A grammar error leaves the
+        grammar matcher in its error state rather than raising; bounds that llguidance cannot build
+        (a client grammar whose %json blocks sit where a nested grammar may not) are left out."""
+        grammar = llguidance.LLMatcher(self.ll_tokenizer, compile_grammar(spec), log_level=0, limits=_LIMITS)
+        bounds_text = bounds_grammar(spec)
+        bounds = None
+        if bounds_text is not None and not grammar.is_error():
+            bounds = llguidance.LLMatcher(self.ll_tokenizer, bounds_text, log_level=0, limits=_LIMITS)
+            if bounds.is_error():
+                logger.warning("no JSON bounds for a %s spec: %s", spec_key(spec)[0], bounds.get_error())
+                bounds = None
+        return _Templates(grammar, bounds)
+
+    def _compute_masks(self, rows: list[tuple[llguidance.LLMatcher, int]], bitmask: torch.Tensor) -> None:
+        """Fill bitmask[row] with each matcher's allowed tokens (in llguidance's thread pool)."""
+        words = bitmask.shape[1]
+        self._mask_executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, bitmask.shape[0])
+
+    def _apply_bounds(
+        self, bitmask: torch.Tensor, bounds_bitmask: torch.Tensor, rows: list[int], request_ids: list[str]
+    ) -> None:
+        """AND the bounds rows into the grammar rows; a row the AND would empty keeps its grammar's
+        mask, and its request drops its bounds."""
+        index = torch.tensor(rows, dtype=torch.int64)
+        both = bitmask[index] & bounds_bitmask[index]  # [len(rows), words]
+        possible = (both != 0).any(dim=1)
+        bitmask[index[possible]] = both[possible]
+        for k in (~possible).nonzero().flatten().tolist():
+            logger.info(
+                "request %s: its grammar needs a JSON lexeme past the bounds; going on without them",
+                request_ids[k],
+            )
+            self._requests[request_ids[k]].bounds = None
 
     def _materialize(self, state: _GuidedRequest) -> None:
         """Give a request whose grammar is compiled its own matcher (or its compile error)."""
         if state.matcher is not None or state.compile_error is not None:
             return
         try:
-            template = state.compiled.result()
+            templates = state.compiled.result()
         except Exception as exc:  # InvalidRequest from compile_grammar, or an llguidance failure
             state.compile_error = f"grammar compilation failed: {exc}"
             return
-        state.matcher = template.deep_copy()
+        state.matcher = templates.grammar.deep_copy()
+        if templates.bounds is not None:
+            state.bounds = templates.bounds.deep_copy()
 
     def _ready_matcher(self, state: _GuidedRequest) -> llguidance.LLMatcher | None:
         """The request's matcher, waiting for its compilation if need be; None if that failed."""
@@ -259,16 +331,18 @@ class GrammarManager:
         for token_id in self.ll_tokenizer.eos_tokens:
             row[token_id // 32] |= _bit(token_id % 32)
 
-    def _matcher(self, request_id: str) -> llguidance.LLMatcher | None:
+    def _state(self, request_id: str) -> _GuidedRequest:
         state = self._requests.get(request_id)
         if state is None:
             raise KeyError(f"request {request_id} has no grammar; call add_request first")
-        return self._ready_matcher(state)
+        return state
 
-    def _bitmask_rows(self, num_rows: int) -> torch.Tensor:
+    def _bitmask_rows(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The grammar and the bounds bitmask buffers, num_rows rows each."""
         if num_rows > self._bitmask.shape[0]:
             self._bitmask = _allocate_bitmask(num_rows, self._bitmask.shape[1])
-        return self._bitmask[:num_rows]
+            self._bounds_bitmask = _allocate_bitmask(num_rows, self._bitmask.shape[1])
+        return self._bitmask[:num_rows], self._bounds_bitmask[:num_rows]
 
 
 def _allocate_bitmask(num_rows: int, words: int) -> torch.Tensor:

@@ -23,11 +23,12 @@ from izh.model.attention import AttentionMetadata, get_attention_backend
 from izh.model.config import ModelConfig
 from izh.model.llama import LlamaForCausalLM
 from izh.model.loader import checkpoint_quant_types, load_model
-from izh.model.quant import pack_model_weights, resolve_quantization
+from izh.model.packed import RECORDS_ANY_ROWS
+from izh.model.packing import pack_model_weights, resolve_quantization
 from izh.protocol import TokenLogprobs
 
 if TYPE_CHECKING:
-    from izh.kernels.cuda_graphs import DecodeGraphRunner
+    from izh.engine.cuda_graphs import DecodeGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +52,17 @@ def cpu_has_fast_bfloat16() -> bool:
 
 
 def resolve_dtype(name: str, device: torch.device, *, quantized_checkpoint: bool = False) -> torch.dtype:
-    """auto: bfloat16 on CUDA; on CPU bfloat16 for a quantized checkpoint (a Q4 GGUF's weights carry
-    far less precision than bfloat16) when the CPU has native bfloat16, else float32."""
+    """auto: bfloat16 on CUDA; on CPU float32, except bfloat16 for a quantized checkpoint (a Q4 GGUF's
+    weights carry far less precision than bfloat16) where izh's bfloat16 record kernels run (the avx512
+    and amx variants), or, without izh's C kernels, where the CPU has native bfloat16. Never a dtype the
+    CPU only emulates."""
     if name == "auto":
-        if device.type == "cuda" or (quantized_checkpoint and cpu_has_fast_bfloat16()):
+        if device.type == "cuda":
             return torch.bfloat16
+        if quantized_checkpoint and device.type == "cpu":
+            fast_bf16 = cpu_ops.qgemm_available() if cpu_ops.available() else cpu_has_fast_bfloat16()
+            if fast_bf16:
+                return torch.bfloat16
         return torch.float32
     try:
         return _DTYPES[name]
@@ -98,6 +105,8 @@ class ModelRunner:
         progress: Callable[[int, int, str], None] | None = None,
     ) -> None:
         self.config = config
+        # Which C kernel variant runs, and where it is cached; a forced variant this CPU lacks fails here.
+        cpu_ops.configure(config.cpu_kernels, config.cache_dir)
         self.device = resolve_device(config.device)
         source_types = checkpoint_quant_types(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device, quantized_checkpoint=bool(source_types))
@@ -127,9 +136,10 @@ class ModelRunner:
         self.attention_backend = self._resolve_attention_backend(config.attention_backend)
         self.model.paged_backend = get_attention_backend(self.attention_backend)
         if self.model.prepare_fused_decode():
-            logger.info(
-                "decode steps of <= %d tokens run the fused C decoder stack", cpu_ops.qgemm_max_rows()
-            )
+            stack = self.model.fused_stack
+            assert stack is not None
+            limit = "any number of" if stack.max_tokens >= RECORDS_ANY_ROWS else f"<= {stack.max_tokens}"
+            logger.info("decode steps of %s tokens run the fused C decoder stack", limit)
         self.graph_runner = self._make_graph_runner()
         # Unseeded sampling draws from the engine's own generator, seeded by the engine seed setting.
         self.sampler = Sampler(make_generator(config.seed, self.device))
@@ -169,7 +179,7 @@ class ModelRunner:
             or self.attention_backend != "triton_paged"
         ):
             return None
-        from izh.kernels.cuda_graphs import DecodeGraphRunner
+        from izh.engine.cuda_graphs import DecodeGraphRunner
 
         runner = DecodeGraphRunner(
             self.model,
@@ -236,6 +246,11 @@ class ModelRunner:
         logits_rows = [i for _, i in sample_rows]
         for _, token_rows, _ in prompt_rows:
             logits_rows.extend(token_rows)
+        if not logits_rows:
+            # Only prompt-only requests, none of them at a prompt-logprob row: no logits to compute.
+            out = RunnerOutput(forward_s=time.perf_counter() - start)
+            self._prompt_logprobs(scheduled, prompt_rows, hidden.new_empty(0, 0), out)
+            return out
         index = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(  # [len(logits_rows), vocab]
             hidden.index_select(0, index), out=self._logits_buffer(len(logits_rows))
@@ -306,7 +321,8 @@ class ModelRunner:
     ) -> tuple[list[tuple[int, int]], list[tuple[int, list[int], list[int]]]]:
         """Rows whose logits we need: (batch index, token row) that sample, and prompt-logprob rows.
 
-        A prompt row at position p gives the logprob of prompt token p + 1; position 0 has none.
+        A prompt row at position p gives the logprob of prompt token p + 1; position 0 has none. A
+        request's first chunk is listed even without rows (a one-token prompt), for that None.
         """
         # From the host copy of the query lengths: no device sync on GPU.
         qsl = [0, *itertools.accumulate(attn_metadata.host_query_lens())]
@@ -320,7 +336,7 @@ class ModelRunner:
             start = s.num_computed_tokens_before
             num_prompt = s.request.num_prompt_tokens
             last = min(start + s.num_scheduled_tokens, num_prompt - 1)
-            if start >= last:
+            if start >= last and start > 0:
                 continue
             rows = [qsl[i] + (p - start) for p in range(start, last)]
             targets = s.request.prompt_token_ids[start + 1 : last + 1]
@@ -383,5 +399,6 @@ class ModelRunner:
             entries: list[TokenLogprobs | None] = []
             if s.num_computed_tokens_before == 0:
                 entries.append(None)  # the first prompt token has no logprob
-            entries.extend(self.sampler.compute_prompt_logprobs(chunk, targets, num_top))
+            if rows:
+                entries.extend(self.sampler.compute_prompt_logprobs(chunk, targets, num_top))
             out.prompt_logprobs[s.request.request_id] = entries

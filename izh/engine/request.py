@@ -1,7 +1,8 @@
 """Request: one generation's engine-side state (pure Python).
 
 Prefill and decode are not states: a request still has `num_tokens - num_computed_tokens` tokens to
-compute, and it samples once that reaches zero. The status only says where the scheduler keeps it.
+compute, and it samples once that reaches zero (a prompt-only request, max_tokens 0, finishes there
+instead). The status only says where the scheduler keeps it.
 """
 
 from __future__ import annotations
@@ -105,6 +106,12 @@ class Request:
         """The output-token limit: sampling_params.max_tokens, capped by the room max_model_len leaves
         once `resolve_max_tokens` has run (the scheduler calls it on admission)."""
         return self._max_tokens
+
+    @property
+    def is_prompt_only(self) -> bool:
+        """max_tokens 0: the request computes its prompt (for its prompt logprobs, or to fill the
+        prefix cache) and finishes with "length" without sampling a single token."""
+        return self._max_tokens == 0
 
     @property
     def is_finished(self) -> bool:

@@ -1,8 +1,9 @@
 """The batched sampler: logits of the rows that sample this step → next token ids (+ logprobs).
 
-Order, as in vLLM: allowed_token_ids / logit_bias / min_tokens masks → penalties → greedy argmax →
-temperature → top-k → top-p → min-p → sample. Logprobs are always those of the raw model logits
-(vLLM's default "raw_logprobs"), so they describe the model, not the sampling settings.
+Order, as in vLLM: allowed_token_ids / bad_words / logit_bias / min_tokens masks → penalties → greedy
+argmax → temperature → top-k → top-p → min-p → sample. Logprobs are always those of the raw model
+logits (vLLM's default "raw_logprobs"), so they describe the model, not the sampling settings: a
+token allowed_token_ids or bad_words masks keeps its logprob among the top ones.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "apply_penalties",
     "apply_token_masks",
     "apply_top_k_top_p",
+    "bad_word_endings",
     "compute_prompt_logprobs",
     "make_generator",
 ]
@@ -104,6 +106,7 @@ class SamplingMetadata:
     prompt_mask: torch.Tensor | None = None  # [num_rows, vocab_size] bool
     allowed_rows: torch.Tensor | None = None  # [num_allowed_rows] int64
     allowed_token_ids: TokenIndex | None = None
+    bad_words_banned: TokenIndex | None = None
     logit_bias: TokenIndex | None = None
     min_tokens_banned: TokenIndex | None = None
     num_logprobs: list[int | None] = field(default_factory=list)
@@ -127,7 +130,12 @@ class SamplingMetadata:
 
     @property
     def no_token_masks(self) -> bool:
-        return self.allowed_rows is None and self.logit_bias is None and self.min_tokens_banned is None
+        return (
+            self.allowed_rows is None
+            and self.bad_words_banned is None
+            and self.logit_bias is None
+            and self.min_tokens_banned is None
+        )
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> SamplingMetadata:
@@ -231,7 +239,7 @@ def _fill_penalties(metadata: SamplingMetadata, rows: list[SamplingRow], device:
 def _fill_token_masks(
     metadata: SamplingMetadata, rows: list[SamplingRow], device: torch.device | str
 ) -> None:
-    """allowed_token_ids, logit_bias and min_tokens as sparse (row, token) pairs."""
+    """allowed_token_ids, bad words, logit_bias and min_tokens as sparse (row, token) pairs."""
     allowed = [
         (i, row.params.allowed_token_ids) for i, row in enumerate(rows) if row.params.allowed_token_ids
     ]
@@ -239,6 +247,13 @@ def _fill_token_masks(
         metadata.allowed_rows = torch.tensor([i for i, _ in allowed], dtype=torch.int64, device=device)
         metadata.allowed_token_ids = _token_index(
             [i for i, _ in allowed], [ids for _, ids in allowed], device
+        )
+    banned_words = [
+        (i, ids) for i, row in enumerate(rows) if (ids := bad_word_endings(row.params, row.output_token_ids))
+    ]
+    if banned_words:
+        metadata.bad_words_banned = _token_index(
+            [i for i, _ in banned_words], [ids for _, ids in banned_words], device
         )
     biased = [(i, row.params.logit_bias) for i, row in enumerate(rows) if row.params.logit_bias]
     if biased:
@@ -264,6 +279,23 @@ def _fill_token_masks(
             banned_ids.append(sorted(stops))
     if banned_rows:
         metadata.min_tokens_banned = _token_index(banned_rows, banned_ids, device)
+
+
+def bad_word_endings(params: SamplingParams, output_token_ids: list[int]) -> list[int]:
+    """The tokens that would complete one of the request's bad words after `output_token_ids`: the
+    last token of each sequence whose other tokens end the output (of a one-token word, always).
+
+    Only the output counts, as in vLLM: a word begun in the prompt is not the output's.
+    """
+    endings: set[int] = set()
+    num_output = len(output_token_ids)
+    for sequence in params.bad_words_token_ids:
+        prefix_length = len(sequence) - 1
+        if prefix_length > num_output:
+            continue
+        if prefix_length == 0 or output_token_ids[num_output - prefix_length :] == sequence[:-1]:
+            endings.add(sequence[-1])
+    return sorted(endings)
 
 
 def _token_index(
@@ -368,13 +400,16 @@ class Sampler:
 
 
 def apply_token_masks(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """allowed_token_ids (everything else -inf), then logit_bias, then min_tokens bans, in place."""
+    """allowed_token_ids (everything else -inf), then bad words, logit_bias and min_tokens bans, in place."""
     if metadata.allowed_rows is not None:
         allowed = metadata.allowed_token_ids
         assert allowed is not None
         kept = logits[allowed.row_ids, allowed.token_ids]
         logits.index_fill_(0, metadata.allowed_rows, _NEG_INF)
         logits[allowed.row_ids, allowed.token_ids] = kept
+    if metadata.bad_words_banned is not None:
+        banned = metadata.bad_words_banned
+        logits[banned.row_ids, banned.token_ids] = _NEG_INF
     if metadata.logit_bias is not None:
         bias = metadata.logit_bias
         assert bias.values is not None

@@ -19,7 +19,6 @@ from typing import TypedDict
 
 from izh.engine.kv_cache import KVCacheManager
 from izh.engine.request import Request, RequestStatus
-from izh.errors import ContextLengthExceeded, InvalidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +53,8 @@ class ScheduledRequest:
     block_ids: list[int]
     """The request's whole block table (the KV manager's live list: read it, never mutate it)."""
     samples: bool
-    """True when this step computes the last known token, so the step samples a new one."""
+    """True when this step computes the last known token, so the step samples a new one (never for a
+    prompt-only request: its step that computes the last prompt token finishes it instead)."""
 
 
 @dataclass(slots=True)
@@ -184,22 +184,16 @@ class Scheduler:
         return len(self.requests)
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request. Raises ContextLengthExceeded when the prompt leaves no room for one
-        output token within max_model_len, InvalidRequest for an empty prompt or a reused id."""
-        num_prompt_tokens = request.num_prompt_tokens
-        if num_prompt_tokens == 0:
-            raise InvalidRequest("The prompt is empty; at least one token is needed.", param="prompt")
-        if num_prompt_tokens >= self.max_model_len:
-            max_tokens = request.sampling_params.max_tokens
-            num_completion_tokens = 1 if max_tokens is None else max_tokens
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {num_prompt_tokens + num_completion_tokens} tokens ({num_prompt_tokens} in "
-                f"the prompt, {num_completion_tokens} for the completion). Please reduce the length of "
-                "the prompt."
-            )
-        if request.request_id in self.requests:
-            raise InvalidRequest(f"request id {request.request_id!r} is already in use")
+        """Queue a new request. It was validated before it got here (the frontend's
+        input_processor.validate_request; EngineCore checks the invariants): a non-empty prompt
+        that leaves room for one output token within max_model_len (a prompt-only request needs
+        none), and an id not in use. Those are only asserted here."""
+        assert request.num_prompt_tokens > 0, request.request_id
+        assert request.num_prompt_tokens + (0 if request.is_prompt_only else 1) <= self.max_model_len, (
+            request.request_id,
+            request.num_prompt_tokens,
+        )
+        assert request.request_id not in self.requests, request.request_id
         request.resolve_max_tokens(self.max_model_len)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -300,7 +294,7 @@ class Scheduler:
                 num_scheduled_tokens=num_new_tokens,
                 num_computed_tokens_before=num_computed,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                samples=num_computed + num_new_tokens == request.num_tokens,
+                samples=num_computed + num_new_tokens == request.num_tokens and not request.is_prompt_only,
             )
         )
 
@@ -337,7 +331,8 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
     ) -> list[Request]:
         """Advance every scheduled request by its scheduled tokens, append the sampled tokens and check
-        the stop conditions. Returns the requests that got new tokens or finished, in batch order."""
+        the stop conditions; a prompt-only request whose prompt is computed finishes with "length".
+        Returns the requests that got new tokens or finished, in batch order."""
         updated: list[Request] = []
         num_finished = 0
         for scheduled in scheduler_output.scheduled:
@@ -348,6 +343,13 @@ class Scheduler:
             request.num_computed_tokens = before + scheduled.num_scheduled_tokens
             if before < request.num_prompt_tokens:
                 self.num_prompt_tokens += min(request.num_computed_tokens, request.num_prompt_tokens) - before
+            if request.is_prompt_only and request.num_computed_tokens == request.num_tokens:
+                if sampled_token_ids.get(request.request_id):
+                    raise ValueError(f"prompt-only request {request.request_id} got a sampled token")
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                num_finished += 1
+                updated.append(request)
+                continue
             token_ids = sampled_token_ids.get(request.request_id)
             if not token_ids:
                 continue

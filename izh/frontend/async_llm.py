@@ -1,7 +1,8 @@
 """AsyncLLM: the API process's engine: admission, one output stream per request, deadlines, drain.
 
 Everything that can refuse a request (validation, context length, admission) happens in
-`add_request`, before the caller starts streaming, so a refusal is still a real HTTP status.
+`add_request`, before the caller starts streaming, so a refusal is still a real HTTP status; the
+request's validation against the model is `input_processor.validate_request`, the one place it runs.
 The core's outputs arrive as one EngineOutputs message per step; `_on_outputs` handles a message
 in one synchronous pass: per request one detokenize/stop-check and one wake-up of its consumer.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -23,13 +25,13 @@ import msgspec
 from izh.config import EngineConfig
 from izh.engine.core_proc import DEFAULT_CORE_FACTORY
 from izh.errors import (
-    ContextLengthExceeded,
     EngineDead,
     InvalidRequest,
     IzhError,
     Overloaded,
 )
 from izh.frontend.client import EngineCoreClient
+from izh.frontend.input_processor import validate_request
 from izh.frontend.output_processor import OutputProcessor, RequestOutput, RequestState
 from izh.frontend.stats import RequestMetrics, StatLogger, StatLoggers
 from izh.protocol import Abort, AddRequest, EngineOutputs, Ready
@@ -397,19 +399,22 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         deadline_s: float | None = None,
+        prompt_param: str = "prompt",
     ) -> RequestStream:
         """Validate, admit and send one request (n == 1); returns its output stream.
 
-        `deadline_s` (seconds from now; default `request_timeout_s`) ends the request with what it
-        has and finish_reason "length". The current RequestScope (if any) adds its cache salt and
-        prompt limit and collects the usage. Raises InvalidRequest / ContextLengthExceeded for a
-        bad request, Overloaded when too busy, draining or restarting the core, EngineDead when
-        the core is gone.
+        The request is validated here, once (`input_processor.validate_request`; the core trusts
+        it); `prompt_param` names the field the prompt came from in the errors about it
+        ("prompt", "prompt.1", "messages"). `deadline_s` (seconds from now; default
+        `request_timeout_s`) ends the request with what it has and finish_reason "length". The
+        current RequestScope (if any) adds its cache salt and prompt limit and collects the usage.
+        Raises InvalidRequest / ContextLengthExceeded for a bad request, Overloaded when too busy,
+        draining or restarting the core, EngineDead when the core is gone.
         """
         scope = REQUEST_SCOPE.get()
+        params = await self._validated_params(request_id, prompt_token_ids, params, prompt_param)
         if scope is not None:
             _check_prompt_limit(prompt_token_ids, scope.max_prompt_tokens)
-        params = self._validated_params(request_id, prompt_token_ids, params)
         self._check_admission()
         now = time.monotonic()
         state = self._processor.make_request_state(request_id, prompt_token_ids, params, arrival_time=now)
@@ -446,6 +451,7 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         deadline_s: float | None = None,
+        prompt_param: str = "prompt",
     ) -> AsyncIterator[RequestOutput]:
         """add_request, then yield its outputs; closing or cancelling the generator aborts it."""
         stream = await self.add_request(
@@ -455,6 +461,7 @@ class AsyncLLM:
             priority=priority,
             cache_salt=cache_salt,
             deadline_s=deadline_s,
+            prompt_param=prompt_param,
         )
         async with stream:
             async for out in stream:
@@ -464,10 +471,13 @@ class AsyncLLM:
         """Abort a request by id (no-op when it already finished)."""
         self._abort_request(request_id)
 
-    def _validated_params(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    async def _validated_params(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt_param: str
     ) -> SamplingParams:
-        """Check the request against the model; the returned params have max_tokens set."""
+        """What only AsyncLLM knows (ids in flight, one sequence), then the one validation point.
+
+        A structured outputs spec may take a grammar compile to check: that runs off the event
+        loop (the result is cached by spec, so a spec the API checked already is quick)."""
         if request_id in self._requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         if params.n != 1:
@@ -475,34 +485,19 @@ class AsyncLLM:
                 f"AsyncLLM takes one sequence per request (n=1), got n={params.n}", param="n"
             )
         ready = self.ready
-        params.validate(ready.vocab_size)
-        if not prompt_token_ids:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        low, high = min(prompt_token_ids), max(prompt_token_ids)
-        if low < 0 or high >= ready.vocab_size:
-            bad = low if low < 0 else high
-            raise InvalidRequest(
-                f"prompt token id {bad} is out of range [0, {ready.vocab_size})", param="prompt"
-            )
-        num_prompt_tokens = len(prompt_token_ids)
-        max_model_len = ready.max_model_len
-        if params.max_tokens is None:
-            if num_prompt_tokens >= max_model_len:
-                raise ContextLengthExceeded(
-                    f"This model's maximum context length is {max_model_len} tokens. However, your "
-                    f"messages resulted in {num_prompt_tokens} tokens. Please reduce the length of "
-                    "the messages.",
-                    param="messages",
-                )
-            return msgspec.structs.replace(params, max_tokens=max_model_len - num_prompt_tokens)
-        if num_prompt_tokens + params.max_tokens > max_model_len:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {max_model_len} tokens. However, you "
-                f"requested {num_prompt_tokens + params.max_tokens} tokens ({num_prompt_tokens} in "
-                f"the messages, {params.max_tokens} in the completion). Please reduce the length of "
-                "the messages or completion.",
-                param="messages",
-            )
+        validate = functools.partial(
+            validate_request,
+            prompt_token_ids,
+            params,
+            vocab_size=ready.vocab_size,
+            max_model_len=ready.max_model_len,
+            prompt_param=prompt_param,
+        )
+        if params.structured_outputs is None:
+            return validate()
+        params = await asyncio.to_thread(validate)
+        if request_id in self._requests:  # added by another task while this one waited
+            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         return params
 
     def _check_admission(self) -> None:
@@ -665,13 +660,26 @@ class AsyncLLM:
 
     # --- utilities and shutdown -----------------------------------------------------------------
 
-    async def get_stats(self) -> dict[str, Any]:
-        """The core's SchedulerStats (as a dict), plus the frontend's request counts."""
-        stats = await self.client.call_utility("stats")
-        result = dict(stats) if isinstance(stats, dict) else {}
+    def get_stats(self) -> dict[str, Any]:
+        """The core's latest published SchedulerStats (as a dict) with their age `stats_age_s` (None
+        before the first), plus the frontend's request counts. Never waits for the core: it publishes
+        while busy and idle, so the age is at most its current step plus a few ms.
+
+        Leaves out the block map (`get_kv_block_map`) and `iteration_tokens` (a per-message delta
+        that /metrics' histogram consumes).
+        """
+        stats, age = self.client.latest_stats()
+        result: dict[str, Any] = {} if stats is None else msgspec.structs.asdict(stats)
+        result.pop("iteration_tokens", None)
+        result.pop("kv_block_states", None)
         result["num_requests_in_flight"] = self.num_in_flight
         result["num_requests_waiting_frontend"] = self._num_waiting
+        result["stats_age_s"] = age
         return result
+
+    def get_kv_block_map(self) -> tuple[list[int], float | None]:
+        """The core's latest published per-block states and their age (never waits for the core)."""
+        return self.client.latest_block_map()
 
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block that no request is using; True when the cache was reset."""

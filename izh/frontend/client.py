@@ -7,6 +7,9 @@ All socket use happens on the event loop's thread: ZMQ sockets are not thread-sa
 
 Two watchdogs turn a lost core into `is_dead` with a reason: the process sentinel (the core exited)
 and a heartbeat (a ping not answered within `heartbeat_timeout_s`: the core hangs in a step).
+
+The core publishes its stats on its outputs; the output loop keeps the latest (`latest_stats`), so a
+dashboard reads them at once instead of waiting for the core to finish its current step.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +41,7 @@ from izh.protocol import (
     EngineMessage,
     EngineOutputs,
     Ready,
+    SchedulerStats,
     Shutdown,
     Utility,
     UtilityResult,
@@ -96,6 +101,10 @@ class EngineCoreClient:
         self._last_alive = self._loop.time()
         """Loop time of the core's latest message: every output and heartbeat answer is a sign of life."""
         self.ready: Ready | None = None
+        self._stats: SchedulerStats | None = None
+        self._stats_ts = 0.0
+        self._block_map: bytes | None = None
+        self._block_map_ts = 0.0
 
         self._tmp_dir = tempfile.mkdtemp(prefix="izh-core-")
         self.input_addr = f"ipc://{self._tmp_dir}/input.sock"
@@ -180,6 +189,18 @@ class EngineCoreClient:
     @property
     def seconds_since_alive(self) -> float:
         return self._loop.time() - self._last_alive
+
+    def latest_stats(self) -> tuple[SchedulerStats | None, float | None]:
+        """The core's latest published stats and their age in seconds ((None, None) before any)."""
+        if self._stats is None:
+            return None, None
+        return self._stats, max(0.0, time.monotonic() - self._stats_ts)
+
+    def latest_block_map(self) -> tuple[list[int], float | None]:
+        """The core's latest published KV block states (one per block id) and their age in seconds."""
+        if self._block_map is None:
+            return [], None
+        return list(self._block_map), max(0.0, time.monotonic() - self._block_map_ts)
 
     @property
     def core_pid(self) -> int | None:
@@ -276,7 +297,7 @@ class EngineCoreClient:
             raise EngineDead("the engine core is not accepting input") from None
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float | None = 30.0) -> Any:
-        """Call a utility method on the core (ping, stats, reset_prefix_cache, kv_block_states).
+        """Call a utility method on the core (ping, reset_prefix_cache, kv_block_states).
 
         Raises TimeoutError after `timeout_s`, EngineDead if the core dies meanwhile, and IzhError
         if the core reports that the method failed.
@@ -311,6 +332,8 @@ class EngineCoreClient:
 
     def _dispatch(self, msg: EngineMessage) -> None:
         if isinstance(msg, EngineOutputs):
+            if msg.stats is not None:
+                self._keep_stats(msg.stats, msg.timestamp)
             try:
                 self._on_outputs(msg)
             except Exception:
@@ -322,6 +345,12 @@ class EngineCoreClient:
             self._mark_dead(msg.reason)
         else:
             logger.warning("unexpected %s from the engine core", type(msg).__name__)
+
+    def _keep_stats(self, stats: SchedulerStats, timestamp: float) -> None:
+        """Keep the snapshot (timestamp: the core's monotonic clock, the same clock as ours)."""
+        self._stats, self._stats_ts = stats, timestamp
+        if stats.kv_block_states is not None:
+            self._block_map, self._block_map_ts = stats.kv_block_states, timestamp
 
     def _resolve_call(self, msg: UtilityResult) -> None:
         future = self._pending_calls.pop(msg.call_id, None)

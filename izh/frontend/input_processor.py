@@ -1,0 +1,101 @@
+"""The one validation point of a request: its tokens and params against the model, once.
+
+`validate_request` runs where a request's prompt token ids and sampling params are final, just
+before it goes to the engine core: in `AsyncLLM.add_request` (the server) and in `LLM._add_request`
+(offline). Everything a user can get wrong about a request with respect to the model is refused
+here, as InvalidRequest / ContextLengthExceeded with the message and param an HTTP error body
+shows; the engine core and the scheduler then only assert what this guarantees (a request that
+fails there is a bug, and fails alone with an internal error).
+
+What runs elsewhere, once each: SamplingParams checks its own fields when it is built (types and
+ranges, token ids >= 0); AsyncLLM checks what only it knows (request ids in flight, n == 1, the
+RequestScope's limits) and admission.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from izh.errors import ContextLengthExceeded, InvalidRequest
+from izh.guided_spec import validate_spec
+from izh.sampling_params import SamplingParams
+
+
+def validate_request(
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    prompt_param: str = "prompt",
+) -> SamplingParams:
+    """Check one request (n == 1) against the model; returns its params with max_tokens resolved.
+
+    In this order: the prompt (non-empty, every id in [0, vocab_size)); the context length (a
+    max_tokens None becomes the room the prompt leaves); the vocabulary-dependent sampling params
+    (`SamplingParams.validate_vocab`); the structured outputs spec (llguidance can enforce it;
+    cached by spec, so cheap when the same spec comes again).
+
+    `prompt_param` names the field the prompt came from ("prompt", "prompt.1", "messages"): the
+    errors about the prompt name it, as the OpenAI API does. Raises InvalidRequest, or
+    ContextLengthExceeded when the prompt plus max_tokens do not fit `max_model_len`.
+    """
+    check_prompt_token_ids(prompt_token_ids, vocab_size, prompt_param)
+    params = resolve_context(len(prompt_token_ids), params, max_model_len, prompt_param)
+    params.validate_vocab(vocab_size)
+    if params.structured_outputs is not None:
+        validate_spec(params.structured_outputs)
+    return params
+
+
+def check_prompt_token_ids(prompt_token_ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
+    """InvalidRequest(param=param) for an empty prompt or a token id outside [0, vocab_size)."""
+    if not prompt_token_ids:
+        raise InvalidRequest(f"the {param} is empty", param=param)
+    low, high = min(prompt_token_ids), max(prompt_token_ids)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise InvalidRequest(f"{param} token id {bad} is out of range [0, {vocab_size})", param=param)
+
+
+def resolve_context(
+    num_prompt_tokens: int, params: SamplingParams, max_model_len: int, prompt_param: str = "prompt"
+) -> SamplingParams:
+    """The params with max_tokens set, or ContextLengthExceeded with the numbers.
+
+    max_tokens 0 (compute the prompt, sample nothing) lets the prompt fill the whole context; any
+    other needs room for one output token at least; an explicit max_tokens must fit beside the
+    prompt (OpenAI's behaviour: it is refused, not clamped); None takes all the room left.
+    """
+    max_tokens = params.max_tokens
+    prefix = f"This model's maximum context length is {max_model_len} tokens. However, "
+    if max_tokens == 0:
+        if num_prompt_tokens > max_model_len:
+            raise ContextLengthExceeded(
+                f"{prefix}your request has {num_prompt_tokens} input tokens. Please reduce the length "
+                f"of the {prompt_param}.",
+                param=prompt_param,
+            )
+        return params
+    room = max_model_len - num_prompt_tokens
+    if room <= 0:
+        raise ContextLengthExceeded(
+            f"{prefix}your request has {num_prompt_tokens} input tokens, which leaves no room for the "
+            f"completion. Please reduce the length of the {prompt_param}.",
+            param=prompt_param,
+        )
+    if max_tokens is None:
+        if params.min_tokens > room:
+            # SamplingParams' own check, for the max_tokens resolved here.
+            raise InvalidRequest(
+                f"min_tokens ({params.min_tokens}) must be <= max_tokens ({room})", param="min_tokens"
+            )
+        return params.with_max_tokens(room)
+    if max_tokens > room:
+        raise ContextLengthExceeded(
+            f"{prefix}you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"{prompt_param}, {max_tokens} in the completion). Please reduce the length of the "
+            f"{prompt_param} or the completion.",
+            param="max_tokens",
+        )
+    return params
