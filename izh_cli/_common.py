@@ -25,15 +25,20 @@ import functools
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeVar
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
 from izh.errors import IzhError, ModelLoadError, ModelNotFound
-from izh.hub import ProgressFn
-from izh.settings import FlagSpec, IzhSettings, SettingsError, load_settings, settings_flag_specs
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from izh.hub import ProgressFn
+    from izh.settings import FlagSpec, IzhSettings
+
+# izh.settings (pydantic, pydantic-settings) and Rich are imported where they are used: `izh inspect`
+# and `izh bench` import this module for fail() and must start without them.
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -64,11 +69,15 @@ _PANELS = {
 
 def stderr_console() -> Console:
     """A Rich console on stderr (made per use so that test runners' stream swaps are honoured)."""
+    from rich.console import Console
+
     return Console(stderr=True)
 
 
 def fail(message: str, hint: str | None = None, code: int = EXIT_FAILURE) -> NoReturn:
     """Print one red error line (and a dim hint line) on stderr, then exit with ``code``."""
+    from rich.markup import escape
+
     console = stderr_console()
     console.print(f"[bold red]Error:[/] [red]{escape(message)}[/]", soft_wrap=True, highlight=False)
     if hint:
@@ -87,6 +96,8 @@ def _hint_for(exc: IzhError) -> str | None:
 @contextlib.contextmanager
 def cli_errors() -> Iterator[None]:
     """Turn the errors a user can act on into one red line and an exit code (2 for settings, else 1)."""
+    from izh.settings import SettingsError
+
     try:
         yield
     except SettingsError as exc:
@@ -104,6 +115,8 @@ def load_cli_settings(
 
     A bad setting exits with status 2 after printing the one-line SettingsError.
     """
+    from izh.settings import SettingsError, load_settings
+
     values = dict(overrides)
     if model is not None:
         values["model.name"] = model
@@ -126,6 +139,8 @@ def _default_text(spec: FlagSpec) -> str | None:
 
 
 def _help_text(spec: FlagSpec) -> str:
+    from rich.markup import escape
+
     # The built-in default, written by hand: the option's own default is None, meaning "not given".
     text = spec.description
     if spec.multiple:
@@ -168,6 +183,8 @@ def _flag_annotation(spec: FlagSpec) -> Any:
 
 def collect_overrides(values: Mapping[str, Any]) -> dict[str, Any]:
     """The settings flags the user gave, by dotted key, from the wrapper's keyword arguments."""
+    from izh.settings import settings_flag_specs
+
     overrides: dict[str, Any] = {}
     for spec in settings_flag_specs():
         value = values.get(spec.param_name)
@@ -184,6 +201,8 @@ def with_settings_flags(func: _F) -> _F:
     flags the user actually gave, keyed by dotted setting name, ready for load_settings. Apply it
     below ``@app.command()``.
     """
+    from izh.settings import settings_flag_specs
+
     signature = inspect.signature(func, eval_str=True)
     if OVERRIDES_PARAM not in signature.parameters:
         raise TypeError(f"{func.__qualname__} needs a keyword-only {OVERRIDES_PARAM} parameter")

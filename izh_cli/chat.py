@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from izh_cli.bench.server import DEFAULT_URL, ApiKeyOption, ModelOption, UrlOption
+from izh_cli.http import DEFAULT_URL, ApiKeyOption, ModelOption, UrlOption
 
 if TYPE_CHECKING:
     import httpx
 
-    from izh_cli.bench.server import ServerUrls
+    from izh_cli.http import ServerUrls
 
 EXIT_INTERRUPTED = 130
 HELP = (
@@ -171,7 +171,7 @@ class ChatSession:
         except KeyboardInterrupt:
             reply.interrupted = True  # leaving the stream's block closes the connection: the server aborts
         except Exception as exc:
-            from izh_cli.bench.server import exception_kind
+            from izh_cli.http import exception_kind
 
             reply.error = exception_kind(exc)
         reply.latency_s = time.perf_counter() - start
@@ -187,7 +187,7 @@ class ChatSession:
         return reply
 
     def _stream(self, reply: Reply, start: float, on_content: TextSink, on_reasoning: TextSink) -> None:
-        from izh_cli.bench.server import DONE, SseDecoder, error_message, http_error_kind
+        from izh_cli.http import DONE, SseDecoder, error_message, http_error_kind
 
         with self.client.stream("POST", self.urls.chat, json=self.payload()) as response:
             if response.status_code != 200:
@@ -284,7 +284,7 @@ class ChatSession:
         return CommandResult(f"Parameters: {shown or '(server defaults)'}")
 
     def _model(self, argument: str) -> CommandResult:
-        from izh_cli.bench.server import error_message, exception_kind, http_error_kind, model_ids
+        from izh_cli.http import error_message, exception_kind, http_error_kind, model_ids
 
         try:
             response = self.client.get(f"{self.urls.api}/models")
@@ -435,14 +435,14 @@ def _run_chat(
     import httpx
 
     from izh_cli._common import EXIT_USAGE, fail
-    from izh_cli.bench.server import ServerError, auth_headers, exception_kind, first_model, resolve_urls
+    from izh_cli.http import ServerError, auth_headers, exception_kind, first_model, resolve_urls
 
     try:
         urls = resolve_urls(url)
     except ValueError as exc:
         fail(str(exc), "pass --url http://HOST:PORT/v1", EXIT_USAGE)
     timeout = httpx.Timeout(600.0, connect=10.0)
-    with httpx.Client(headers=auth_headers(api_key), timeout=timeout) as client:
+    with httpx.Client(headers=auth_headers(api_key), timeout=timeout, verify=urls.verify_tls) as client:
         try:
             model = model or first_model(client, urls)
         except httpx.HTTPError as exc:

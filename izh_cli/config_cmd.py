@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from izh.settings import settings_flag_specs
+from izh.settings import IzhSettings, settings_flag_specs
 from izh_cli._common import ConfigOption, load_cli_settings, with_settings_flags
 
 config_app = typer.Typer(
@@ -66,14 +66,51 @@ def show(
     *,
     settings_overrides: dict[str, Any],
 ) -> None:
-    """Print the resolved settings (defaults < --config file < IZH_* environment < flags).
+    """Print the resolved settings (defaults < --config file < IZH_* environment < flags), then what they
+    resolve to on this machine: the C kernel variant and the dtype `auto` gives.
 
-    API keys are never shown. The TOML output is a valid config file.
+    API keys are never shown. The TOML output is a valid config file (the machine's part is comments).
     """
     settings = load_cli_settings(config, settings_overrides, model=model)
     data = settings.to_display_dict()
+    here = resolved_here(settings)
     if as_json:
-        typer.echo(json.dumps(data, indent=2))
+        typer.echo(json.dumps({**data, "resolved_here": here}, indent=2))
         return
     secret_keys = frozenset(spec.dotted for spec in settings_flag_specs() if spec.secret)
     typer.echo(render_toml(data, secret_keys), nl=False)
+    typer.echo("\n# On this machine:")
+    for key, value in here.items():
+        typer.echo(f"#   {key}: {value}")
+
+
+def resolved_here(settings: IzhSettings) -> dict[str, str]:
+    """What the engine would put in force on this machine for `settings`, without loading anything:
+    the C kernel variant (and why) and the dtype `model.dtype` resolves to (dense and quantized)."""
+    import shutil
+
+    from izh.engine.model_runner import resolve_device, resolve_dtype
+    from izh.errors import ModelLoadError
+    from izh.kernels.cpu import select_variant
+
+    requested = settings.engine.cpu_kernels
+    if requested == "off":
+        kernels = "off (the torch fallbacks run)"
+    else:
+        try:
+            selection = select_variant(requested)
+            kernels = f"{selection.variant} ({selection.reason})"
+            if shutil.which("gcc") is None:
+                kernels += "; but gcc is not on PATH: the torch fallbacks would run"
+        except ValueError as exc:
+            kernels = f"error: {exc}"
+    try:
+        device = resolve_device(settings.model.device)
+    except ModelLoadError as exc:
+        return {"cpu_kernels": kernels, "dtype": f"error: {exc}"}
+    dense = resolve_dtype(settings.model.dtype, device)
+    quantized = resolve_dtype(settings.model.dtype, device, quantized_checkpoint=True)
+    dtype = f"{settings.model.dtype} -> {str(dense).removeprefix('torch.')} on {device.type}"
+    if settings.model.dtype == "auto":
+        dtype += f", {str(quantized).removeprefix('torch.')} for a quantized GGUF"
+    return {"cpu_kernels": kernels, "dtype": dtype}

@@ -1,7 +1,9 @@
 """`izh inspect`: a live terminal dashboard of a server, fed by /metrics, /health and izh's stats endpoint.
 
-Works on izh, vLLM, SGLang and llama.cpp (see izh_cli.inspect_metrics for the adapters); a server that
-is down shows as down and is retried every interval. Heavy imports (httpx, Rich) inside the command.
+Works on izh, vLLM, SGLang and llama.cpp (see izh_cli.inspect_metrics for the adapters). The three
+endpoints are asked at once, each with its own timeout: one that is slow or fails leaves a note (and its
+path in ``Snapshot.timed_out``) and the others still show; a server that answers none of them shows as
+down and is retried every interval. Heavy imports (httpx, Rich) inside the command.
 """
 
 from __future__ import annotations
@@ -11,20 +13,22 @@ import math
 import time
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from izh_cli.bench.server import DEFAULT_URL, ApiKeyOption, UrlOption
+from izh_cli.http import DEFAULT_URL, ApiKeyOption, UrlOption
 
 if TYPE_CHECKING:
     import httpx
     from rich.console import RenderableType
 
-    from izh_cli.bench.server import ServerUrls
+    from izh_cli.http import ServerUrls
     from izh_cli.inspect_metrics import Adapter, Scrape, Snapshot
 
 STATS_PATH = "/v1/izh/stats"
+HEALTH_PATH, METRICS_PATH = "/health", "/metrics"
 MAP_WIDTH = 64
 MAP_ROWS = 8
 KV_WARN, KV_CRIT = 0.65, 0.85  # vllm-htop's colours: green, yellow, red
@@ -44,22 +48,34 @@ def inspect(
     json_output: Annotated[
         bool, typer.Option("--json", help="Print snapshots as JSON (one per line).")
     ] = False,
+    timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--timeout",
+            min=0.01,
+            help="Seconds each endpoint may take (they are asked at once); default: 2 x the interval, "
+            "at least 2.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Watch a server: KV cache and block map, queue, throughput, TTFT/ITL percentiles, finish reasons.
 
-    Reads /metrics (izh, vLLM, SGLang or llama.cpp names), /health and, on izh, /v1/izh/stats.
+    Reads /metrics (izh, vLLM, SGLang or llama.cpp names), /health and, on izh, /v1/izh/stats, all at
+    once; an endpoint that times out is noted and the rest still shown.
     """
     import httpx
 
     from izh_cli._common import EXIT_USAGE, fail
-    from izh_cli.bench.server import auth_headers, resolve_urls
+    from izh_cli.http import auth_headers, resolve_urls
 
     try:
         urls = resolve_urls(url)
     except ValueError as exc:
         fail(str(exc), "pass --url http://HOST:PORT", EXIT_USAGE)
-    timeout = httpx.Timeout(max(interval, 1.0) * 2, connect=min(max(interval, 1.0), 5.0))
-    with httpx.Client(headers=auth_headers(api_key), timeout=timeout) as client:
+    read_s = timeout if timeout is not None else max(interval, 1.0) * 2
+    limits = httpx.Timeout(read_s, connect=min(read_s, max(interval, 1.0), 5.0))
+    with httpx.Client(headers=auth_headers(api_key), timeout=limits, verify=urls.verify_tls) as client:
         inspector = Inspector(client, urls)
         if once:
             _once(inspector, interval, json_output)
@@ -79,24 +95,59 @@ class Inspector:
         self.up_since: float | None = None
 
     def poll(self) -> Snapshot:
-        """One snapshot; never raises for a server that is down or answers nonsense."""
-        import httpx
-
-        from izh_cli.bench.server import exception_kind
+        """One snapshot; never raises for a server that is down, slow or answers nonsense."""
+        from izh_cli.http import exception_kind
         from izh_cli.inspect_metrics import Snapshot
 
-        try:
-            snap = self._poll()
-        except httpx.HTTPError as exc:
+        answers = self._fetch()
+        if all(isinstance(a, Exception) for a in answers.values()):
             self.previous = None  # a restarted server starts its counters again
             self.up_since = None
-            return Snapshot(url=self.urls.root, up=False, error=exception_kind(exc))
+            error = exception_kind(answers[HEALTH_PATH])  # type: ignore[arg-type]
+            return Snapshot(url=self.urls.root, up=False, error=error)
+        snap = self._snapshot(answers)
         now = time.monotonic()
         self.up_since = self.up_since if self.up_since is not None else now
         snap.seen_up_s = now - self.up_since
         return snap
 
-    def _poll(self) -> Snapshot:
+    def _fetch(self) -> dict[str, httpx.Response | Exception]:
+        """GET the endpoints concurrently (each under the client's own timeout): path -> answer or error."""
+        import httpx
+
+        paths = [HEALTH_PATH, METRICS_PATH] + ([STATS_PATH] if self.has_stats is not False else [])
+
+        def get(path: str) -> httpx.Response | Exception:
+            try:
+                return self.client.get(f"{self.urls.root}{path}")
+            except httpx.HTTPError as exc:
+                return exc
+
+        with ThreadPoolExecutor(max_workers=len(paths), thread_name_prefix="izh-inspect") as pool:
+            return dict(zip(paths, pool.map(get, paths), strict=True))
+
+    def _snapshot(self, answers: dict[str, httpx.Response | Exception]) -> Snapshot:
+        import httpx
+
+        from izh_cli.http import exception_kind
+
+        health = answers[HEALTH_PATH]
+        snap = self._metrics_snapshot(answers[METRICS_PATH])
+        snap.health = (
+            ("ok" if health.status_code == 200 else f"HTTP {health.status_code}")
+            if not isinstance(health, Exception)
+            else exception_kind(health)
+        )
+        if STATS_PATH in answers:
+            self._add_stats(snap, answers[STATS_PATH])
+        for path, answer in answers.items():
+            if isinstance(answer, Exception):
+                if isinstance(answer, httpx.TimeoutException):
+                    snap.timed_out.append(path)
+                snap.notes.append(f"GET {path} failed: {exception_kind(answer)}; showing the rest")
+        return snap
+
+    def _metrics_snapshot(self, response: httpx.Response | Exception) -> Snapshot:
         from izh_cli.inspect_metrics import (
             Scrape,
             Snapshot,
@@ -105,37 +156,30 @@ class Inspector:
             uptime_from_metrics,
         )
 
-        health = self._health()
-        response = self.client.get(f"{self.urls.root}/metrics")
+        if isinstance(response, Exception):
+            return Snapshot(url=self.urls.root, up=True)
         taken = time.monotonic()
         if response.status_code != 200:
-            snap = Snapshot(url=self.urls.root, up=True, health=health)
+            snap = Snapshot(url=self.urls.root, up=True)
             snap.notes.append(f"/metrics answered HTTP {response.status_code}: {METRICS_HINT}")
+            return snap
+        scrape = Scrape.from_text(response.text, taken)
+        self.adapter = detect_adapter(scrape) or self.adapter
+        if self.adapter is None:
+            snap = Snapshot(url=self.urls.root, up=True)
+            snap.notes.append("/metrics has no izh, vLLM, SGLang or llama.cpp metric names")
         else:
-            scrape = Scrape.from_text(response.text, taken)
-            self.adapter = detect_adapter(scrape) or self.adapter
-            if self.adapter is None:
-                snap = Snapshot(url=self.urls.root, up=True, health=health)
-                snap.notes.append("/metrics has no izh, vLLM, SGLang or llama.cpp metric names")
-            else:
-                snap = build_snapshot(self.urls.root, self.adapter, scrape, self.previous)
-                snap.uptime_s = uptime_from_metrics(scrape, time.time())
-            self.previous = scrape
-        snap.health = health
-        self._add_stats(snap)
+            snap = build_snapshot(self.urls.root, self.adapter, scrape, self.previous)
+            snap.uptime_s = uptime_from_metrics(scrape, time.time())
+        self.previous = scrape
         return snap
 
-    def _health(self) -> str:
-        response = self.client.get(f"{self.urls.root}/health")
-        return "ok" if response.status_code == 200 else f"HTTP {response.status_code}"
-
-    def _add_stats(self, snap: Snapshot) -> None:
+    def _add_stats(self, snap: Snapshot, response: httpx.Response | Exception) -> None:
         """izh's engine detail; asked once on other servers, then no more after a 404."""
         from izh_cli.inspect_metrics import apply_izh_stats
 
-        if self.has_stats is False:
+        if isinstance(response, Exception):
             return
-        response = self.client.get(f"{self.urls.root}{STATS_PATH}")
         if response.status_code in (404, 405, 501):
             self.has_stats = False
             return
@@ -252,6 +296,10 @@ def _header(snap: Snapshot, interval: float) -> RenderableType:
         text.append(f"  seen up {_duration(snap.seen_up_s)}")
     if snap.window_s:
         text.append(f"  window {snap.window_s:.1f}s", style="dim")
+    if snap.stats_age_s is not None:
+        text.append(f"  engine stats {snap.stats_age_s:.1f}s old", style="dim")
+    if snap.timed_out:
+        text.append(f"  timed out: {', '.join(snap.timed_out)}", style="bold yellow")
     return text
 
 

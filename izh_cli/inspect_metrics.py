@@ -307,6 +307,10 @@ class Snapshot:
     finish_reasons: dict[str, float] = field(default_factory=dict)
     finish_reasons_window: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    timed_out: list[str] = field(default_factory=list)
+    """Paths that did not answer within the timeout (the snapshot shows what the others said)."""
+    stats_age_s: float | None = None
+    """How old izh's engine stats were when the server answered (it publishes them; see /v1/izh/stats)."""
 
     def to_dict(self, with_block_states: bool = False) -> dict[str, Any]:
         data = {
@@ -451,6 +455,8 @@ def apply_izh_stats(snap: Snapshot, stats: dict[str, Any]) -> None:
         snap.draining = stats["draining"]
     if isinstance(stats.get("num_requests_in_flight"), int | float):
         snap.in_flight = float(stats["num_requests_in_flight"])
+    if isinstance(stats.get("stats_age_s"), int | float):
+        snap.stats_age_s = float(stats["stats_age_s"])
 
 
 def uptime_from_metrics(scrape: Scrape, wall_now: float) -> float | None:

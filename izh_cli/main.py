@@ -1,15 +1,57 @@
-"""The `izh` command: a thin Typer app; each command lives in its own module and imports heavy things
-(torch, the engine, the server) inside its body, so that `izh --help` stays instant."""
+"""The `izh` command: a thin Typer app; each command lives in its own module, imported only when that
+command (or the root help, which lists them all) runs, and heavy things (torch, the engine, the server,
+izh.settings) are imported inside command bodies, so that `izh inspect --once` and `izh bench` start fast.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+import importlib
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from typer.core import TyperGroup
 
 from izh import __version__
-from izh_cli import chat, config_cmd, inspect_cmd, pull, serve
-from izh_cli.bench import cli as bench_cli
+
+if TYPE_CHECKING:
+    from typer._click import Command  # Typer's vendored click: the type its builders return
+
+# Command name -> "module:attribute" (a command function, or a Typer app for a group), in help order.
+COMMANDS = {
+    "serve": "izh_cli.serve:serve",
+    "pull": "izh_cli.pull:pull",
+    "bench": "izh_cli.bench.cli:bench",
+    "inspect": "izh_cli.inspect_cmd:inspect",
+    "chat": "izh_cli.chat:chat",
+    "config": "izh_cli.config_cmd:config_app",
+}
+
+
+def _build_command(name: str, target: str) -> Command:
+    """The click command for ``target``, built as `app.command(name)` / `app.add_typer` would build it."""
+    module_name, attribute = target.split(":")
+    obj = getattr(importlib.import_module(module_name), attribute)
+    if isinstance(obj, typer.Typer):
+        group = typer.main.get_group(obj)
+        group.name = name
+        return group
+    # A one-command app with the root's markup and no completion flags gives Typer's own single command.
+    single = typer.Typer(rich_markup_mode="rich", pretty_exceptions_enable=False, add_completion=False)
+    single.command(name)(obj)
+    return typer.main.get_command(single)
+
+
+class LazyCommands(TyperGroup):
+    """The root group: each command's module is imported the first time the command is looked up."""
+
+    def list_commands(self, ctx: typer.Context) -> list[str]:
+        return [*COMMANDS, *(name for name in super().list_commands(ctx) if name not in COMMANDS)]
+
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMANDS:
+            self.commands[cmd_name] = _build_command(cmd_name, COMMANDS[cmd_name])
+        return super().get_command(ctx, cmd_name)
+
 
 app = typer.Typer(
     name="izh",
@@ -18,6 +60,7 @@ app = typer.Typer(
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
+    cls=LazyCommands,
 )
 
 
@@ -35,15 +78,6 @@ def _root(
     ] = False,
 ) -> None:
     """izh: an OpenAI-compatible LLM inference server with its own engine."""
-
-
-# Commands, one module each.
-app.command("serve")(serve.serve)
-app.command("pull")(pull.pull)
-app.command("bench")(bench_cli.bench)
-app.command("inspect")(inspect_cmd.inspect)
-app.command("chat")(chat.chat)
-app.add_typer(config_cmd.config_app, name="config")
 
 
 def main() -> None:

@@ -69,7 +69,9 @@ def _default_engine_threads(config: EngineConfig) -> EngineConfig:
     """Unless set, the core's torch threads are all cores but one on machines with more than 2 cores:
     the API process streams on the spare one. On 2 cores the engine needs both: SmolLM2 served 71 vs
     50 tok/s for one stream and 493 vs 332 at 32 (`izh bench`, 128 + 128 tokens); the API's own cost
-    (~50 us per streamed token) only dominates for a tiny model, where `--num-threads 1` doubles it."""
+    (~50 us per streamed token) only dominates for a tiny model, where `--num-threads 1` doubles it.
+    The core is not reniced: a niced engine yields to every process on a shared machine, not only to
+    its API process (docs/operations.md, "Sharing a small machine's cores")."""
     if config.num_threads is not None:
         return config
     import dataclasses

@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import typer
 
 from izh_cli._common import EXIT_USAGE, fail
-from izh_cli.bench.server import DEFAULT_URL, ApiKeyOption, ModelOption, UrlOption
+from izh_cli.http import DEFAULT_URL, ApiKeyOption, ModelOption, UrlOption
 
 if TYPE_CHECKING:
     import httpx
 
     from izh_cli.bench.datasets import DatasetSpec, Sample, ServerTokenizer
     from izh_cli.bench.runner import RunConfig, RunOutcome
+    from izh_cli.http import ServerUrls
 
 EXIT_INTERRUPTED = 130
 PROGRESS_INTERVAL_S = 0.25
@@ -271,7 +272,7 @@ def bench(
 def _validated(*, concurrency: str, slo: str | None, spec: DatasetSpec, **values: Any) -> BenchOptions:
     """BenchOptions from the flags; a bad combination exits with status 2."""
     from izh_cli.bench.metrics import parse_slo
-    from izh_cli.bench.server import resolve_urls
+    from izh_cli.http import resolve_urls
 
     try:
         resolve_urls(values["url"])
@@ -310,7 +311,7 @@ async def _bench(options: BenchOptions) -> dict[str, Any]:
     import httpx
 
     from izh_cli.bench.runner import make_clients
-    from izh_cli.bench.server import auth_headers, resolve_urls
+    from izh_cli.http import auth_headers, resolve_urls
 
     urls = resolve_urls(options.url)
     timeout = httpx.Timeout(options.timeout_s, connect=min(options.timeout_s, 10.0))
@@ -336,7 +337,7 @@ async def _bench(options: BenchOptions) -> dict[str, Any]:
 async def _server_info(client: httpx.AsyncClient, urls: Any) -> dict[str, Any]:
     import httpx
 
-    from izh_cli.bench.server import ServerError, exception_kind, fetch_server_info
+    from izh_cli.http import ServerError, exception_kind
 
     try:
         info = await fetch_server_info(client, urls)
@@ -348,6 +349,39 @@ async def _server_info(client: httpx.AsyncClient, urls: Any) -> dict[str, Any]:
     except (ServerError, ValueError) as exc:
         raise BenchError(f"{urls.api}/models: {exc}", "check --url and --api-key (or IZH_API_KEY).") from exc
     return info
+
+
+def version_from(payload: Any) -> str | None:
+    if isinstance(payload, dict) and payload.get("version") is not None:
+        return str(payload["version"])
+    return None
+
+
+async def fetch_server_info(client: httpx.AsyncClient, urls: ServerUrls) -> dict[str, Any]:
+    """The result's server block: /v1/models (raises on failure: nothing can run without it) and /version
+    (optional)."""
+    import httpx
+
+    from izh_cli.http import ServerError, error_message, http_error_kind, model_ids
+
+    response = await client.get(f"{urls.api}/models")
+    if response.status_code != 200:
+        raise ServerError(
+            http_error_kind(response.status_code, error_message(response.content, response.reason_phrase))
+        )
+    models_payload = response.json()
+    version: str | None = None
+    try:
+        version_response = await client.get(f"{urls.root}/version")
+        if version_response.status_code == 200:
+            version = version_from(version_response.json())
+    except (httpx.HTTPError, ValueError):
+        version = None
+    return {
+        "url": urls.root,
+        "models": model_ids(models_payload),
+        "version": version,
+    }
 
 
 def _first_model(server: dict[str, Any]) -> str:

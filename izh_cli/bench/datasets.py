@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from izh_cli.bench.server import ServerUrls
+from izh_cli.http import ServerUrls
 
 DEFAULT_INPUT_LEN = 1024
 DEFAULT_OUTPUT_LEN = 128

@@ -66,13 +66,33 @@ def git_sha(cwd: Path | None = None) -> str | None:
     return f"{sha}-dirty" if dirty else sha
 
 
+def cpu_model_and_flags() -> tuple[str, list[str]]:
+    """The CPU's model name and feature flags, from the first processor of /proc/cpuinfo (x86 `flags`,
+    ARM `Features`); the platform's processor name and no flags where there is no such file."""
+    model, flags = "", []
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and not model:
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = value.split()
+    except OSError:
+        pass
+    return model or platform.processor(), flags
+
+
 def machine_info() -> dict[str, Any]:
+    model, flags = cpu_model_and_flags()
     return {
         "hostname": platform.node(),
         "platform": platform.platform(),
         "machine": platform.machine(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
+        "cpu_model": model,
+        "cpu_flags": flags,
     }
 
 

@@ -22,7 +22,7 @@ import httpx
 
 from izh_cli.bench.datasets import Sample
 from izh_cli.bench.metrics import RequestRecord
-from izh_cli.bench.server import DONE, SseDecoder, error_message, exception_kind, http_error_kind
+from izh_cli.http import DONE, SseDecoder, error_message, exception_kind, http_error_kind
 
 Endpoint = Literal["chat", "completions"]
 INTERRUPTED = "interrupted"

@@ -1,7 +1,7 @@
 """The frontend's own cost: `izh serve` on the tiniest model (so the engine is not the bottleneck),
 driven by `izh bench` at several concurrencies, next to the offline engine on the same model.
 
-    python bench/frontend_cost.py --concurrency 32,128,256 --output-len 64
+    python benchmarks/frontend_cost.py --concurrency 32,128,256 --output-len 64
 
 Per level it reports streamed tokens/s, median ITL, the same engine's offline decode step time at that
 batch size (so ITL minus it is what serving adds), and the CPU time the API process spent per streamed
@@ -26,7 +26,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.offline_throughput import write_record  # noqa: E402
+from benchmarks.offline_throughput import write_record  # noqa: E402
 
 
 def cpu_seconds(pid: int) -> float:
@@ -53,7 +53,7 @@ def offline_decode_step_ms(model: str, batch: int, input_len: int, steps: int) -
     """Median decode step of the in-process engine at this batch size (no frontend at all)."""
     from izh import LLM, SamplingParams
 
-    llm = LLM(model, max_num_seqs=batch, kv_cache_memory_bytes=64 << 20, show_progress=False)
+    llm = LLM(model, max_num_seqs=batch, kv_cache_memory_bytes=64 << 20)
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     for i in range(batch):
         llm._add_request(f"offline-{i}", [10 + (i + k) % 200 for k in range(input_len)], params)

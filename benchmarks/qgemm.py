@@ -1,7 +1,7 @@
 """Weight-only matmuls for small batches: izh's record kernels vs PyTorch's packed kernels and the dense
 bfloat16 matmul, side by side in one run.
 
-    python -m bench.qgemm --rows 1,4,8,16,32,64
+    python -m benchmarks.qgemm --rows 1,4,8,16,32,64
 
 One "pass" is what one decode step reads: the four linears of each of 30 SmolLM2-135M layers (distinct
 weights, so they stream from memory as in the engine, not from cache) plus the 49152 x 576 LM head. Each
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from bench.offline_throughput import write_record
+from benchmarks.offline_throughput import write_record
 from izh.kernels import cpu as cpu_ops
-from izh.model.quant import (
+from izh.model.packed import (
     TORCH_PACKED_MAX_ROWS,
     quantize_int4,
     quantize_int8,

@@ -1,6 +1,6 @@
 """The cost of structured outputs: JSON-schema-constrained decoding vs free decoding, side by side.
 
-    python bench/structured_outputs.py --batch 32 --input-len 64 --output-len 64
+    python benchmarks/structured_outputs.py --batch 32 --input-len 64 --output-len 64
 
 Three measurements on the same model (the default SmolLM2 GGUF, dequantized) in one run:
 
@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.offline_throughput import make_prompts, write_record  # noqa: E402
+from benchmarks.offline_throughput import make_prompts, write_record  # noqa: E402
 
 # Typed properties, an enum, a bounded array, a nested object, required fields.
 SCHEMA: dict[str, Any] = {
@@ -209,7 +209,6 @@ def main() -> None:
         max_num_batched_tokens=max(2048, args.input_len),
         kv_cache_memory_bytes=None,
         enable_prefix_caching=False,
-        show_progress=False,
     )
     core = llm.engine_core
     vocab = core.vocab_size

@@ -1,6 +1,6 @@
 """What sampling settings cost per decode step, side by side with the implementations they replaced.
 
-    python bench/sampling_cost.py --batch 32 --output-len 48
+    python benchmarks/sampling_cost.py --batch 32 --output-len 48
 
 SmolLM2 (default settings), `--batch` requests of 128 random prompt tokens decoding together; the median
 decode step for greedy, temperature, top-p, top-k and min-p requests. Each setting also runs with the
@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.offline_throughput import make_prompts, write_record  # noqa: E402
+from benchmarks.offline_throughput import make_prompts, write_record  # noqa: E402
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
@@ -77,7 +77,7 @@ def main() -> None:
 
     from izh import LLM, SamplingParams
 
-    llm = LLM(model=args.model, max_num_seqs=args.batch, enable_prefix_caching=False, show_progress=False)
+    llm = LLM(model=args.model, max_num_seqs=args.batch, enable_prefix_caching=False)
     prompts = make_prompts(args.batch, 128, llm.engine_core.vocab_size, seed=0)
     median_decode_step_ms(llm, prompts[:2], SamplingParams(max_tokens=4))  # warm-up
     results = []

@@ -1,7 +1,9 @@
-"""What the toolkit needs from any OpenAI-compatible server: its URLs, auth, SSE framing and identity.
+"""The CLI's HTTP client side of an OpenAI-compatible server: its URLs, auth, errors, SSE framing and models.
 
-Shared by ``izh bench``, ``izh inspect`` and ``izh chat``. The commands import it at start-up, so httpx
-is imported only inside the functions that need it: ``izh --help`` stays instant.
+``izh bench``, ``izh chat`` and ``izh inspect`` talk to a server through this module: the shared Typer
+options (``--url``, ``--api-key``, ``--model``), the /v1 and root URLs, the bearer header, error
+messages and short error kinds, SSE decoding and the /v1/models listing. The commands import it at
+start-up, so httpx is imported only inside the functions that need it: ``izh --help`` stays instant.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ class ServerUrls:
 
     root: str
     api: str
+
+    @property
+    def verify_tls(self) -> bool:
+        """The client's ``verify``: an http server is never asked over TLS (redirects are not followed),
+        so only an https one needs the CA bundle, which takes ~0.1 s of a command's start to load."""
+        return self.root.startswith("https://")
 
     @property
     def chat(self) -> str:
@@ -136,36 +144,6 @@ def model_ids(models_payload: Any) -> list[str]:
     if not isinstance(data, list):
         return []
     return [str(entry["id"]) for entry in data if isinstance(entry, dict) and "id" in entry]
-
-
-def version_from(payload: Any) -> str | None:
-    if isinstance(payload, dict) and payload.get("version") is not None:
-        return str(payload["version"])
-    return None
-
-
-async def fetch_server_info(client: httpx.AsyncClient, urls: ServerUrls) -> dict[str, Any]:
-    """/v1/models (raises on failure: nothing can run without it) and /version (optional)."""
-    import httpx
-
-    response = await client.get(f"{urls.api}/models")
-    if response.status_code != 200:
-        raise ServerError(
-            http_error_kind(response.status_code, error_message(response.content, response.reason_phrase))
-        )
-    models_payload = response.json()
-    version: str | None = None
-    try:
-        version_response = await client.get(f"{urls.root}/version")
-        if version_response.status_code == 200:
-            version = version_from(version_response.json())
-    except (httpx.HTTPError, ValueError):
-        version = None
-    return {
-        "url": urls.root,
-        "models": model_ids(models_payload),
-        "version": version,
-    }
 
 
 def first_model(client: httpx.Client, urls: ServerUrls) -> str:

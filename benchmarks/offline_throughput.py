@@ -1,6 +1,6 @@
 """Offline throughput of the izh engine vs transformers' generate(), side by side in one run.
 
-    python bench/offline_throughput.py --batch-sizes 1,8,32,128 --input-len 128 --output-len 128
+    python benchmarks/offline_throughput.py --batch-sizes 1,8,32,128 --input-len 128 --output-len 128
 
 Both run the same weights (the default SmolLM2 GGUF, dequantized for transformers) in the same dtype
 on this machine; izh may also use its packed int4/int8 copies of them for small batches (--quantization).
@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from izh_cli.bench.report import cpu_model_and_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,14 +31,7 @@ def peak_rss_mib() -> float:
 
 
 def machine_info() -> dict[str, object]:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model_and_flags()[0]
     return {
         "platform": platform.platform(),
         "cpu": cpu,
@@ -157,19 +152,22 @@ def main() -> None:
     args = ap.parse_args()
 
     from izh import LLM
+    from izh_cli.progress import ProgressBar
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     t0 = time.perf_counter()
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        max_model_len=args.input_len + args.output_len + 16,
-        max_num_seqs=max(batch_sizes),
-        max_num_batched_tokens=max(2048, args.input_len),
-        kv_cache_memory_bytes=None,
-        enable_prefix_caching=False,
-    )
+    with ProgressBar() as progress:
+        llm = LLM(
+            model=args.model,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            max_model_len=args.input_len + args.output_len + 16,
+            max_num_seqs=max(batch_sizes),
+            max_num_batched_tokens=max(2048, args.input_len),
+            kv_cache_memory_bytes=None,
+            enable_prefix_caching=False,
+            progress=progress,
+        )
     load_s = time.perf_counter() - t0
     rss_after_load = peak_rss_mib()
     vocab = llm.engine_core.vocab_size
