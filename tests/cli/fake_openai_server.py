@@ -5,7 +5,10 @@ completions token by token (whitespace "tokens"), reports usage, tokenizes, expo
 names under the ``izh:`` or ``vllm:`` prefix, and izh's stats endpoint. Errors on demand, by a marker
 in the prompt: ``FAIL_429`` and ``FAIL_500`` answer with that status, ``FAIL_STREAM`` fails mid-stream
 (an SSE error event, then ``[DONE]``, as vLLM does); ``BLOCK`` sends one token and then waits until the
-client disconnects, setting ``state.blocked`` (a test's signal that a request is in flight).
+client disconnects, setting ``state.blocked`` (a test's signal that a request is in flight). A path in
+``FakeConfig.hang`` (/health, /metrics, /v1/izh/stats) never answers: it waits until its client leaves;
+with ``FakeConfig.rendezvous`` those three answer only once all three were asked (a client asking them
+one after another times out on the first).
 
 Chat replies are deterministic and show the conversation they saw: ``[system] You said: <last user
 message> (turn N)`` where N counts the user messages, so a transcript proves what history was sent.
@@ -52,6 +55,10 @@ class FakeConfig:
     stats_shape: Literal["flat", "nested", "none"] = "nested"
     metrics: bool = True
     """Without metrics, /metrics answers 501 as llama.cpp does when started without --metrics."""
+    hang: tuple[str, ...] = ()
+    """Service paths that never answer (each call waits until its client gives up)."""
+    rendezvous: bool = False
+    """/health, /metrics and /v1/izh/stats each wait until all three were asked (then a new round)."""
 
 
 @dataclass
@@ -60,6 +67,8 @@ class FakeState:
     started: float = field(default_factory=time.time)
     blocked: threading.Event = field(default_factory=threading.Event)
     """Set when a request with the BLOCK marker is streaming (it then never ends until the client leaves)."""
+    hung: list[str] = field(default_factory=list)
+    """The path of every call to a ``FakeConfig.hang`` path, as it began to hang."""
 
 
 class FakeMetrics:
@@ -125,6 +134,8 @@ class FakeServer:
         self.config = config or FakeConfig()
         self.state = FakeState()
         self.metrics = FakeMetrics(self.config.metrics_prefix)
+        self._round: set[str] = set()
+        self._round_done = asyncio.Event()
         self.app = self._build()
 
     # --- generation ---------------------------------------------------------------------------------
@@ -265,7 +276,7 @@ class FakeServer:
         }
         if self.config.stats_shape == "flat":
             return {**scheduler, "kv_block_states": states}
-        # izh's shape (izh.api.app.izh_stats)
+        # izh's shape (izh.api.ops.izh_stats)
         return {
             "model": self.config.model,
             "max_model_len": 4096,
@@ -274,6 +285,24 @@ class FakeServer:
             "scheduler": scheduler,
             "kv_block_states": states,
         }
+
+    async def _hang_if_asked(self, request: Request) -> None:
+        """For a path in ``config.hang``, return only once the client disconnected; with
+        ``config.rendezvous``, once the other service paths were asked too (or the client left)."""
+        path = request.url.path
+        if path in self.config.hang:
+            self.state.hung.append(path)
+            done = asyncio.Event()  # never set
+        elif self.config.rendezvous:
+            done = self._round_done
+            self._round.add(path)
+            if self._round == {"/health", "/metrics", "/v1/izh/stats"}:
+                self._round, self._round_done = set(), asyncio.Event()
+                done.set()
+        else:
+            return
+        while not done.is_set() and not await request.is_disconnected():
+            await asyncio.sleep(0.01)
 
     def _build(self) -> FastAPI:
         app = FastAPI()
@@ -289,7 +318,8 @@ class FakeServer:
             return {"version": "fake-1.0"}
 
         @app.get("/health")
-        async def health() -> Response:
+        async def health(request: Request) -> Response:
+            await self._hang_if_asked(request)
             return Response(status_code=200)
 
         @app.post("/tokenize")
@@ -309,7 +339,8 @@ class FakeServer:
             return await self._generate(request, chat=True)
 
         @app.get("/metrics")
-        async def metrics() -> Response:
+        async def metrics(request: Request) -> Response:
+            await self._hang_if_asked(request)
             if not config.metrics:
                 return _error(501, "This server does not support metrics endpoint.")
             return PlainTextResponse(generate_latest(self.metrics.registry).decode())
@@ -317,7 +348,8 @@ class FakeServer:
         if config.stats_shape != "none":
 
             @app.get("/v1/izh/stats")
-            async def stats() -> dict[str, Any]:
+            async def stats(request: Request) -> dict[str, Any]:
+                await self._hang_if_asked(request)
                 return self._stats()
 
         return app

@@ -34,7 +34,7 @@ from izh_cli.bench.metrics import (
 )
 from izh_cli.bench.report import compare
 from izh_cli.bench.runner import RunConfig, Runner, StreamRecorder, arrival_gaps
-from izh_cli.bench.server import SseDecoder, resolve_urls
+from izh_cli.http import SseDecoder, resolve_urls
 from tests.cli.fake_openai_server import FakeConfig, fake_server
 
 app = typer.Typer()

@@ -21,7 +21,7 @@ import typer
 from typer.testing import CliRunner
 
 from izh_cli import chat as chat_cmd
-from izh_cli.bench.server import resolve_urls
+from izh_cli.http import resolve_urls
 from tests.cli.fake_openai_server import fake_server
 
 app = typer.Typer()

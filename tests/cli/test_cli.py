@@ -121,6 +121,21 @@ def test_config_show_output_is_a_valid_config_file(tmp_path: Path) -> None:
     assert load_settings(saved, env={}) == expected
 
 
+def test_config_show_says_what_runs_on_this_machine() -> None:
+    from izh.kernels.cpu import select_variant
+
+    result = invoke(["config", "show", "--cpu-kernels", "auto"])
+    assert result.exit_code == 0, result.output
+    best = select_variant("auto")
+    assert f"#   cpu_kernels: {best.variant} ({best.reason})" in result.stdout
+    assert "#   dtype: auto -> " in result.stdout
+    off = invoke(
+        ["config", "show", "--json", "--cpu-kernels", "off", "--dtype", "float32", "--device", "cpu"]
+    )
+    here = json.loads(off.stdout)["resolved_here"]
+    assert here["cpu_kernels"].startswith("off") and here["dtype"] == "float32 -> float32 on cpu"
+
+
 def test_config_show_json() -> None:
     result = invoke(["config", "show", "--json", "--port", "1234", "--log-json"])
     assert result.exit_code == 0, result.output

@@ -7,6 +7,9 @@ import bisect
 import json
 import math
 import random
+import socket
+import subprocess
+import sys
 from typing import Any
 
 import httpx
@@ -354,3 +357,70 @@ def test_izh_stats_render_a_block_map() -> None:
     assert result.exit_code == 0, result.output
     assert "████▓▓▓▓········" in result.stdout
     assert "used 4" in result.stdout and "cached 4" in result.stdout and "free 8" in result.stdout
+
+
+# --- a slow endpoint ---------------------------------------------------------------------------------------
+
+
+def test_once_asks_the_endpoints_at_once() -> None:
+    # Each endpoint answers only once all three were asked: one after another, the first would time out.
+    with fake_server(FakeConfig(rendezvous=True)) as (url, _):
+        result = invoke(["--url", url, "--once", "--json", "--interval", "0.01", "--timeout", "20"])
+    assert result.exit_code == 0, result.output
+    snap = json.loads(result.stdout)
+    assert snap["up"] and snap["health"] == "ok" and snap["timed_out"] == [] and snap["notes"] == []
+    assert snap["kv_blocks"]["total"] == 32 and snap["kv_cache_usage"] == 0.25
+
+
+def test_a_hanging_stats_endpoint_leaves_the_rest_and_a_note() -> None:
+    with fake_server(FakeConfig(hang=("/v1/izh/stats",))) as (url, fake):
+        send_requests(url)
+        result = invoke(["--url", url, "--once", "--json", "--interval", "0.01", "--timeout", "0.3"])
+    assert result.exit_code == 0, result.output
+    snap = json.loads(result.stdout)
+    assert snap["up"] is True and snap["health"] == "ok" and snap["timed_out"] == ["/v1/izh/stats"]
+    assert fake.state.hung == ["/v1/izh/stats"] * 2  # asked on both scrapes: a timeout is not a 404
+    assert "GET /v1/izh/stats failed: timeout" in snap["notes"][0]
+    # /metrics' numbers are all there; only the block map (izh's stats) is missing.
+    assert snap["finish_reasons"]["stop"] == 2.0 and snap["kv_cache_usage"] == 0.25
+    assert snap["kv_blocks"] is None and snap["model"] is None
+
+
+def test_a_hanging_metrics_endpoint_leaves_the_engine_stats() -> None:
+    with fake_server(FakeConfig(num_blocks=16, hang=("/metrics",))) as (url, _):
+        result = invoke(["--url", url, "--once", "--interval", "0.01", "--timeout", "0.3"])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "up, health ok" in out and "timed out: /metrics" in out and "DOWN" not in out
+    assert "used 4" in out and "GET /metrics failed: timeout" in out
+
+
+def test_a_server_that_answers_nothing_is_down() -> None:
+    with fake_server(FakeConfig(hang=("/health", "/metrics", "/v1/izh/stats"))) as (url, _):
+        result = invoke(["--url", url, "--once", "--json", "--interval", "0.01", "--timeout", "0.3"])
+    assert result.exit_code == 1
+    snap = json.loads(result.stdout)
+    assert snap["up"] is False and snap["error"].startswith("timeout")
+
+
+def test_inspect_once_imports_no_server_stack_nor_settings() -> None:
+    """`izh inspect --once` runs while a server is busy: its start-up must not pay for torch, the server
+    stack or izh.settings (pydantic-settings), which it never uses."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"  # closed once the block ends: a down server
+    code = (
+        "import sys\n"
+        "from izh_cli.main import main\n"
+        f"sys.argv = ['izh', 'inspect', '--url', {url!r}, '--once', '--json']\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as exc:\n"
+        "    print('exit', exc.code)\n"
+        "heavy = ('torch', 'numpy', 'fastapi', 'uvicorn', 'pydantic_settings', 'izh.settings', 'izh.engine')\n"
+        "print('heavy', sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    lines = out.stdout.strip().splitlines()
+    assert json.loads(lines[0])["up"] is False  # the inspect path really ran, against a closed port
+    assert lines[1:] == ["exit 1", "heavy []"]

@@ -1,6 +1,7 @@
 """Request lifecycles over the FakeEngineCore (echoes prompts; magic tokens run forever or crash):
 client disconnects abort, admission refusals are 503s with Retry-After, a failure after a stream
-started is an SSE error event before [DONE], and a dead core turns /health red."""
+started is an SSE error event before [DONE], a dead core turns /health red, and the operator's
+endpoints answer while the core is inside a long step."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import json
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +17,9 @@ import httpx
 import pytest
 
 from izh.config import EngineConfig
+from izh.protocol import SchedulerStats
 from tests.e2e.api_server import ApiServer, api_server
-from tests.engine.fake_core import CRASH_TOKEN, FOREVER_TOKEN, write_options
+from tests.engine.fake_core import CRASH_TOKEN, FOREVER_TOKEN, GATE_TOKEN, FakeEngineCore, write_options
 
 MODEL = "fake"
 FAKE_CORE = "tests.engine.fake_core:FakeEngineCore"
@@ -160,3 +163,31 @@ def test_a_core_crash_mid_stream_is_an_error_event_then_done(fake_model_dir: Pat
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
         refused = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": [5]})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
+
+
+def test_stats_answer_while_the_core_is_in_a_long_step(fake_model_dir: Path, tmp_path: Path) -> None:
+    """/v1/izh/stats serves the core's published snapshot: it does not wait for the step in progress."""
+    model_dir = tmp_path / "gated"
+    shutil.copytree(fake_model_dir, model_dir)
+    with _server(model_dir) as server, ThreadPoolExecutor(1) as pool:
+        gate = FakeEngineCore.gates[str(model_dir)]
+        body = {"model": MODEL, "prompt": [GATE_TOKEN, 5], "max_tokens": 2}
+        completion = pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=60)
+        assert gate.entered.wait(30), "the gated step did not start"
+        paths = ("/v1/izh/stats", "/health", "/metrics")
+        replies = {path: httpx.get(f"{server.url}{path}", timeout=30) for path in paths}
+        # Only this test releases the gate: every answer above came while the step still ran.
+        assert not gate.release.is_set() and not completion.done()
+        assert {path: reply.status_code for path, reply in replies.items()} == dict.fromkeys(replies, 200)
+        stats = replies["/v1/izh/stats"].json()
+        assert stats["num_requests_in_flight"] == 1 and stats["stats_age_s"] >= 0
+        published = set(SchedulerStats.__struct_fields__) - {"iteration_tokens", "kv_block_states"}
+        assert published <= set(stats["scheduler"]), published - set(stats["scheduler"])
+        # The snapshot taken as the request arrived, before its step began, already shows it.
+        assert stats["scheduler"]["num_running"] == 1 and stats["scheduler"]["num_blocks"] == 64
+        assert stats["kv_block_states"] == [1] + [0] * 63 and stats["kv_block_states_age_s"] >= 0
+        gate.release.set()
+        assert completion.result(60).json()["choices"][0]["finish_reason"] == "length"
+        _wait_idle(server)
+        after = httpx.get(f"{server.url}/v1/izh/stats", timeout=30).json()
+        assert after["scheduler"]["num_running"] == 0 and after["kv_block_states"] == [0] * 64

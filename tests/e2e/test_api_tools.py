@@ -1,12 +1,15 @@
 """Tool calling over HTTP against a real server (tiny random Llama, real engine core), driven by the
 official openai client: forced calls (tool_choice "required" or named) are well-formed and match
-the tool's parameters, streamed as OpenAI's tool-call deltas; "auto" parses calls out of the
-output; "none" renders and parses nothing; parallel_tool_calls false gives one call; tool calls and
-tool results in the history render (the tiny model's template knows no tools: Hermes text).
+the tool's parameters, streamed as OpenAI's tool-call deltas with the arguments in pieces; a named
+tool is called once; "required" stops at a repeated call; "auto" parses calls out of the output;
+"none" renders and parses nothing; parallel_tool_calls false gives one call and stops there; tool
+calls and tool results in the history render (the tiny model's template knows no tools: Hermes
+text). With SmolLM2 (slow): forced calls of a get_local_time-like tool end with "tool_calls" and no
+repeats, streamed or not, and the OpenAI SDK's parse with a pydantic function tool.
 
 As in test_api_structured, whitespace-only tokens are banned with logit_bias to keep the random
-model's JSON short; the grammar still does the work.
-"""
+model's JSON short; the grammar still does the work. Banning EOS instead makes the random model go
+on after its call, as a small model does: what ends the message then is izh, not the model."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel
 
 from izh.config import EngineConfig
 from izh.tokenizer import load_tokenizer
@@ -136,7 +140,10 @@ def _assert_valid_calls(calls: list[Any], names: set[str] | None = None) -> None
 
 
 def _streamed_calls(chunks: list[Any]) -> tuple[str, dict[int, dict[str, Any]], list[str]]:
-    """(content, calls by index, finish reasons) of a stream, checking OpenAI's delta sequence."""
+    """(content, calls by index, finish reasons) of a stream, checking OpenAI's delta sequence.
+
+    Each call has its id, name, arguments (the fragments joined) and fragments (how many).
+    """
     content = ""
     calls: dict[int, dict[str, Any]] = {}
     finish = []
@@ -152,12 +159,24 @@ def _streamed_calls(chunks: list[Any]) -> tuple[str, dict[int, dict[str, Any]], 
                 # The first delta of a call carries its id, type and name.
                 assert delta.id and delta.id.startswith("call_") and delta.type == "function"
                 assert delta.function is not None and delta.function.name
-                calls[delta.index] = {"id": delta.id, "name": delta.function.name, "arguments": ""}
+                calls[delta.index] = {
+                    "id": delta.id,
+                    "name": delta.function.name,
+                    "arguments": "",
+                    "fragments": 0,
+                }
             else:
                 assert delta.id is None and (delta.function is None or delta.function.name is None)
             if delta.function is not None and delta.function.arguments:
                 calls[delta.index]["arguments"] += delta.function.arguments
+                calls[delta.index]["fragments"] += 1
     return content, calls, finish
+
+
+def _eos_banned(tiny_llama_dir: str, bias: dict[str, int]) -> dict[str, int]:
+    """`bias`, and every EOS token banned: the random model never ends on its own."""
+    eos = load_tokenizer(tiny_llama_dir).eos_token_ids
+    return {**bias, **{str(token_id): -100 for token_id in eos}}
 
 
 # --- forced calls ---------------------------------------------------------------------------------
@@ -185,6 +204,8 @@ def test_required_streams_tool_call_deltas(
     assert sorted(calls) == list(range(len(calls))) and calls
     for call in calls.values():
         jsonschema.validate(json.loads(call["arguments"]), PARAMETERS[call["name"]])
+    # The arguments arrive as they are generated, not in one piece at the end.
+    assert any(call["fragments"] > 1 for call in calls.values()), calls
     if sampling["temperature"] == 0.0:
         whole = _create(client, no_whitespace, tool_choice="required").choices[0].message.tool_calls
         assert [(c.function.name, c.function.arguments) for c in whole] == [
@@ -192,26 +213,75 @@ def test_required_streams_tool_call_deltas(
         ]
 
 
-def test_named_tool_choice_calls_that_tool(client: openai.OpenAI, no_whitespace: dict[str, int]) -> None:
+def test_streamed_arguments_come_in_pieces_that_add_up(
+    client: openai.OpenAI, no_whitespace: dict[str, int]
+) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = _create(client, no_whitespace, tool_choice=named).choices[0].message.tool_calls
+    chunks = list(_create(client, no_whitespace, tool_choice=named, stream=True))
+    content, calls, finish = _streamed_calls(chunks)
+    assert content == "" and finish == ["tool_calls"] and list(calls) == [0]
+    assert (calls[0]["name"], calls[0]["arguments"]) == ("get_weather", whole[0].function.arguments)
+    # {"city": "...", "days": n} is several tokens: one fragment per token or so, not one in all.
+    assert calls[0]["fragments"] >= 4, calls
+    first = next(
+        c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls
+    )
+    assert first.function is not None and first.function.arguments == ""
+
+
+def test_named_tool_choice_calls_that_tool_once(
+    client: openai.OpenAI, tiny_llama_dir: str, no_whitespace: dict[str, int]
+) -> None:
     named = {"type": "function", "function": {"name": "get_weather"}}
     reply = _create(client, no_whitespace, tool_choice=named, temperature=1.0, seed=5)
     assert reply.choices[0].finish_reason == "tool_calls"
     _assert_valid_calls(reply.choices[0].message.tool_calls, {"get_weather"})
-    parameterless = _create(
-        client, no_whitespace, tool_choice={"type": "function", "function": {"name": "now"}}
-    )
+    now = {"type": "function", "function": {"name": "now"}}
+    parameterless = _create(client, no_whitespace, tool_choice=now)
     calls = parameterless.choices[0].message.tool_calls
     assert [(c.function.name, c.function.arguments) for c in calls] == [("now", "{}")]
+    # Exactly one call even for a model that would go on: after it, only the end is allowed.
+    for parallel in (True, False):
+        endless = _create(
+            client, _eos_banned(tiny_llama_dir, no_whitespace), tool_choice=now, parallel_tool_calls=parallel
+        )
+        assert endless.choices[0].finish_reason == "tool_calls"
+        assert [c.function.name for c in endless.choices[0].message.tool_calls] == ["now"]
+
+
+def test_required_stops_at_a_repeated_call(client: openai.OpenAI, tiny_llama_dir: str) -> None:
+    """With one parameterless tool and EOS banned, the grammar lets the model only call `now` again
+    and again (whitespace aside, which it may vary): izh ends the message at the first repeat."""
+    fields: dict[str, Any] = {
+        "tools": [NOW],
+        "tool_choice": "required",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 1.0,
+        "seed": 11,
+    }
+    reply = _create(client, _eos_banned(tiny_llama_dir, {}), **fields)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "now" and json.loads(call.function.arguments) == {}
+    # Stopped at the repeat, far from max_tokens: the engine did not generate on.
+    assert reply.usage.completion_tokens < MAX_TOKENS
+    chunks = list(_create(client, _eos_banned(tiny_llama_dir, {}), stream=True, **fields))
+    _, calls, finish = _streamed_calls(chunks)
+    assert finish == ["tool_calls"] and list(calls) == [0]
+    assert (calls[0]["name"], calls[0]["arguments"]) == ("now", call.function.arguments)
 
 
 def test_parallel_tool_calls_false_gives_exactly_one(
-    client: openai.OpenAI, no_whitespace: dict[str, int]
+    client: openai.OpenAI, tiny_llama_dir: str, no_whitespace: dict[str, int]
 ) -> None:
-    forced = _create(
-        client, no_whitespace, tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=3
-    )
-    assert forced.choices[0].finish_reason == "tool_calls"
-    assert len(forced.choices[0].message.tool_calls) == 1
+    for bias in (no_whitespace, _eos_banned(tiny_llama_dir, no_whitespace)):
+        forced = _create(
+            client, bias, tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=3
+        )
+        assert forced.choices[0].finish_reason == "tool_calls"
+        assert len(forced.choices[0].message.tool_calls) == 1
     # Two calls in the output: both come back, unless parallel calls are off.
     two_calls = {"guided_regex": f"{CALL_REGEX}\n{CALL_REGEX}"}
     both = _create(client, {}, tool_choice="auto", extra_body=two_calls)
@@ -219,10 +289,13 @@ def test_parallel_tool_calls_false_gives_exactly_one(
     one = _create(client, {}, tool_choice="auto", parallel_tool_calls=False, extra_body=two_calls)
     assert len(one.choices[0].message.tool_calls) == 1
     assert one.choices[0].message.content is None and one.choices[0].finish_reason == "tool_calls"
+    # The generation stopped after the first call rather than writing the second one.
+    assert one.usage.completion_tokens < both.usage.completion_tokens
     chunks = list(
         _create(client, {}, tool_choice="auto", parallel_tool_calls=False, extra_body=two_calls, stream=True)
     )
-    assert len(_streamed_calls(chunks)[1]) == 1
+    _, calls, finish = _streamed_calls(chunks)
+    assert len(calls) == 1 and finish == ["tool_calls"]
 
 
 # --- auto and none ----------------------------------------------------------------------------------
@@ -351,32 +424,113 @@ def test_bad_tool_requests_are_400s(
 
 # --- the real model -------------------------------------------------------------------------------------
 
+LOCAL_TIME_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"timezone": {"type": "string", "description": "An IANA timezone, e.g. Asia/Tokyo."}},
+    "required": ["timezone"],
+    "additionalProperties": False,
+}
+LOCAL_TIME_TOOLS = {
+    "timezone": {
+        "type": "function",
+        "function": {
+            "name": "get_local_time",
+            "description": "The local time in a timezone.",
+            "parameters": LOCAL_TIME_PARAMETERS,
+        },
+    },
+    "parameterless": {
+        "type": "function",
+        "function": {"name": "get_local_time", "description": "The current local time."},
+    },
+}
+SMOLLM2_MAX_TOKENS = 200
 
-@pytest.mark.slow
-def test_smollm2_required_tool_call(smollm2_gguf: str) -> None:
+
+class User(BaseModel):
+    name: str
+    age: int
+
+
+@pytest.fixture(scope="module")
+def smollm2_client(smollm2_gguf: str) -> Iterator[openai.OpenAI]:
     config = EngineConfig(
         model=smollm2_gguf,
         served_model_name=MODEL,
         device="cpu",
-        max_model_len=1024,
+        max_model_len=1024,  # 64 MiB holds one such sequence in float32 too (CPUs without bf16)
         kv_cache_memory_bytes=1 << 26,
+        # A cached prefix is computed in other chunks than a fresh one, which can flip a near tie
+        # between two greedy tokens: without it, streamed and whole answers are the same tokens.
+        enable_prefix_caching=False,
     )
     with (
         api_server(config) as started,
         openai.OpenAI(base_url=f"{started.url}/v1", api_key="x", max_retries=0, timeout=600) as client,
     ):
-        reply = client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "What is the weather in Oslo for the next 3 days?"}],
-            tools=TOOLS,
-            tool_choice="required",
-            # With parallel calls allowed, SmolLM2-135M repeats its call until max_tokens.
-            parallel_tool_calls=False,
-            max_tokens=128,
-            temperature=0.0,
-        )
+        yield client
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", list(LOCAL_TIME_TOOLS))
+@pytest.mark.parametrize("named", [False, True], ids=["required", "named"])
+@pytest.mark.parametrize("parallel", [None, False], ids=["parallel-default", "parallel-false"])
+def test_smollm2_forced_calls_end_with_tool_calls(
+    smollm2_client: openai.OpenAI, tool: str, named: bool, parallel: bool | None
+) -> None:
+    """SmolLM2-135M forced to call get_local_time repeats its call until max_tokens unless izh ends
+    the message: the answer is one call or more, never the same call twice, and "tool_calls"."""
+    fields: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What time is it in Tokyo?"}],
+        "tools": [LOCAL_TIME_TOOLS[tool]],
+        "tool_choice": {"type": "function", "function": {"name": "get_local_time"}} if named else "required",
+        "max_tokens": SMOLLM2_MAX_TOKENS,
+        "temperature": 0.0,
+    }
+    if parallel is not None:
+        fields["parallel_tool_calls"] = parallel
+    reply = smollm2_client.chat.completions.create(**fields)
     choice = reply.choices[0]
-    assert choice.finish_reason == "tool_calls", choice.message
-    calls = choice.message.tool_calls or []
-    assert choice.message.content is None and len(calls) == 1
-    _assert_valid_calls(calls)
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+    assert calls and all(name == "get_local_time" for name, _ in calls)
+    assert all(calls[i] not in calls[:i] for i in range(len(calls))), calls
+    if named or parallel is False:
+        assert len(calls) == 1
+    for _, arguments in calls:
+        jsonschema.validate(arguments, LOCAL_TIME_PARAMETERS if tool == "timezone" else {"maxProperties": 0})
+    chunks = list(smollm2_client.chat.completions.create(**fields, stream=True))
+    content, streamed, finish = _streamed_calls(chunks)
+    assert content == "" and finish == ["tool_calls"]
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+    ]
+    if tool == "timezone":
+        assert all(c["fragments"] > 2 for c in streamed.values()), streamed
+
+
+@pytest.mark.slow
+def test_smollm2_openai_sdk_parse_with_a_required_pydantic_tool(smollm2_client: openai.OpenAI) -> None:
+    fields: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Extract the user from this text: Jason is 25 years old."}],
+        "tools": [openai.pydantic_function_tool(User)],
+        "tool_choice": "required",
+        "max_tokens": SMOLLM2_MAX_TOKENS,
+        "temperature": 0.0,
+    }
+    # parse raises LengthFinishReasonError on "length": the message must end on its own.
+    completion = smollm2_client.chat.completions.parse(**fields)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "User" and isinstance(call.function.parsed_arguments, User)
+    # The stream helper: argument deltas as they come, parsed at the end.
+    with smollm2_client.chat.completions.stream(**fields) as stream:
+        deltas = [e for e in stream if e.type == "tool_calls.function.arguments.delta"]
+        final = stream.get_final_completion()
+    assert len(deltas) > 2 and final.choices[0].finish_reason == "tool_calls"
+    (streamed,) = final.choices[0].message.tool_calls or []
+    assert streamed.function.parsed_arguments == call.function.parsed_arguments

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.conftest import isolated_cache_dir
 from tests.e2e.test_serve import Served, _alive, _free_port, _wait_for
 
 START_TIMEOUT_S = 180.0
@@ -29,7 +30,11 @@ def launch(model_dir: str, tmp_path: Path, *flags: str, mark: str | None = None)
     """`izh serve model_dir` on a free port (8 MiB of KV cache), started and healthy."""
     port = _free_port()
     log = tmp_path / f"serve-{port}.log"
-    env = {**os.environ, "IZH_CACHE_DIR": str(tmp_path / "cache"), MARK_VAR: mark or uuid.uuid4().hex}
+    env = {
+        **os.environ,
+        "IZH_CACHE_DIR": isolated_cache_dir(tmp_path / "cache"),
+        MARK_VAR: mark or uuid.uuid4().hex,
+    }
     cmd = [sys.executable, "-m", "izh_cli.main", "serve", model_dir, "--port", str(port)]
     cmd += ["--kv-cache-memory-bytes", "8MiB", *flags]
     with log.open("wb") as out:
@@ -202,7 +207,7 @@ def test_a_core_that_fails_to_start_leaves_no_process(tiny_llama_dir: str, tmp_p
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
     mark = uuid.uuid4().hex
-    env = {**os.environ, "IZH_CACHE_DIR": str(tmp_path / "cache"), MARK_VAR: mark}
+    env = {**os.environ, "IZH_CACHE_DIR": isolated_cache_dir(tmp_path / "cache"), MARK_VAR: mark}
     cmd = [sys.executable, "-m", "izh_cli.main", "serve", str(broken), "--port", str(_free_port())]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 1 and "NoSuchModelForCausalLM" in result.stderr
@@ -212,7 +217,7 @@ def test_a_core_that_fails_to_start_leaves_no_process(tiny_llama_dir: str, tmp_p
 def test_a_failure_after_the_core_started_leaves_no_process(tiny_llama_dir: str, tmp_path: Path) -> None:
     # The core is up when the API refuses its configuration: the core must still be stopped.
     mark = uuid.uuid4().hex
-    env = {**os.environ, "IZH_CACHE_DIR": str(tmp_path / "cache"), MARK_VAR: mark}
+    env = {**os.environ, "IZH_CACHE_DIR": isolated_cache_dir(tmp_path / "cache"), MARK_VAR: mark}
     cmd = [sys.executable, "-m", "izh_cli.main", "serve", tiny_llama_dir, "--port", str(_free_port())]
     cmd += ["--kv-cache-memory-bytes", "8MiB", "--tool-call-parser", "no-such-parser"]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)

@@ -17,6 +17,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from tests.conftest import isolated_cache_dir
+
 START_TIMEOUT_S = 180.0
 
 
@@ -89,7 +91,7 @@ def serve(tiny_llama_dir: str, tmp_path: Path) -> Iterator[Callable[..., Served]
     def start(*flags: str) -> Served:
         port = _free_port()
         log = tmp_path / f"serve-{port}.log"
-        env = {**os.environ, "IZH_CACHE_DIR": str(tmp_path / "cache")}
+        env = {**os.environ, "IZH_CACHE_DIR": isolated_cache_dir(tmp_path / "cache")}
         cmd = [sys.executable, "-m", "izh_cli.main", "serve", tiny_llama_dir, "--port", str(port)]
         cmd += ["--kv-cache-memory-bytes", "8MiB", "--drain-timeout-s", "30", *flags]
         with log.open("wb") as out:
@@ -185,7 +187,7 @@ def test_core_that_cannot_start_makes_serve_exit_1(tiny_llama_dir: str, tmp_path
     shutil.copytree(tiny_llama_dir, bad)
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
-    env = {**os.environ, "IZH_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "IZH_CACHE_DIR": isolated_cache_dir(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "izh_cli.main", "serve", str(bad), "--port", str(_free_port())]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 1

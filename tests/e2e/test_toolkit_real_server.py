@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import isolated_cache_dir
 from tests.e2e.test_serve import START_TIMEOUT_S, _free_port, _wait_for
 
 API_KEY = "sekrit-key"
@@ -32,7 +33,7 @@ def start_server(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) 
     def start(*flags: str) -> str:
         port = _free_port()
         log = folder / f"serve-{port}.log"
-        env = {**os.environ, "IZH_CACHE_DIR": str(folder / "cache")}
+        env = {**os.environ, "IZH_CACHE_DIR": isolated_cache_dir(folder / "cache")}
         cmd = [sys.executable, "-m", "izh_cli.main", "serve", tiny_llama_dir, "--port", str(port)]
         cmd += ["--kv-cache-memory-bytes", "8MiB", *flags]
         with log.open("wb") as out:
@@ -211,8 +212,10 @@ from typer.main import get_command
 from izh_cli.main import app
 
 group = get_command(app)
+ctx = group.make_context("izh", ["--help"], resilient_parsing=True)
 paths = [[]]
-for name, command in group.commands.items():
+for name in group.list_commands(ctx):  # the root loads each command when it is looked up
+    command = group.get_command(ctx, name)
     paths.append([name])
     paths += [[name, sub] for sub in getattr(command, "commands", {})]
 for path in paths:
@@ -242,7 +245,7 @@ def test_every_help_renders_without_heavy_imports() -> None:
 
 
 def test_chat_local_runs_the_model_in_process(tiny_llama_dir: str, tmp_path: Path) -> None:
-    env = {**os.environ, "IZH_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "IZH_CACHE_DIR": isolated_cache_dir(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "izh_cli.main", "chat", "--local", tiny_llama_dir, "-p", "hello"]
     result = subprocess.run(
         [*cmd, "--max-tokens", "6", "--temperature", "0"],

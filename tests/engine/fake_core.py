@@ -4,10 +4,14 @@ It loads no model (no torch), so the process loop and the frontend can be tested
 Behaviour is chosen per test by a `fake_core.json` in the `config.model` folder (see FakeCoreOptions)
 and per request by magic prompt tokens:
 
-- BAD_TOKEN in the prompt: add_request raises InvalidRequest (the request fails alone);
+- BAD_TOKEN in the prompt: add_request raises an internal IzhError (500), as EngineCore's invariant
+  checks do for a request the frontend should not have sent (the request fails alone);
+- ASSERT_TOKEN: add_request raises AssertionError (a bug of any kind; the request fails alone);
 - CRASH_TOKEN: step() raises once the request runs (the core dies);
 - HANG_TOKEN: step() never returns (the core hangs; the heartbeat must notice);
-- FOREVER_TOKEN: the echo cycles until max_tokens instead of ending with the prompt.
+- FOREVER_TOKEN: the echo cycles until max_tokens instead of ending with the prompt;
+- GATE_TOKEN: step() holds at the core's StepGate (`FakeEngineCore.gates[config.model]`, thread mode:
+  the test and the core share the process) until the test releases it: a long step on demand.
 
 A request ends with "length" after echoing its whole prompt (as if max_tokens were the prompt
 length) or at max_tokens, and with "stop" on a stop token id or an EOS id.
@@ -20,15 +24,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from izh.config import EngineConfig
-from izh.errors import InvalidRequest, ModelLoadError
+from izh.errors import IzhError, ModelLoadError
 from izh.protocol import AddRequest, EngineOutput, SchedulerStats, TokenLogprobs
 
 BAD_TOKEN = 999
+ASSERT_TOKEN = 994
 CRASH_TOKEN = 998
 HANG_TOKEN = 997
 FOREVER_TOKEN = 996
+GATE_TOKEN = 995
 OPTIONS_FILE = "fake_core.json"
 
 
@@ -43,6 +50,14 @@ class FakeCoreOptions:
     vocab_size: int = 1000
     max_model_len: int = 256
     eos_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepGate:
+    """A step with a GATE_TOKEN request sets `entered`, then waits for `release` (set by the test)."""
+
+    entered: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(slots=True)
@@ -68,6 +83,9 @@ def _load_options(model: str) -> FakeCoreOptions:
 class FakeEngineCore:
     """Echoes prompts; the same attributes and methods as izh.engine.core.EngineCore."""
 
+    gates: ClassVar[dict[str, StepGate]] = {}
+    """The latest core's gate per model folder (in this process: thread mode)."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.options = _load_options(config.model)
         if self.options.fail_load is not None:
@@ -85,13 +103,15 @@ class FakeEngineCore:
         self._num_prompt_tokens = 0
         self._iteration_tokens: list[int] = []
         self._hang = threading.Event()
+        self.gate = self.gates[config.model] = StepGate()
         self.shut_down = False
 
     def add_request(self, req: AddRequest) -> None:
         if req.request_id in self._running:
-            raise InvalidRequest(f"request id {req.request_id!r} is already in use", param="request_id")
+            raise IzhError(f"internal error: request id {req.request_id!r} is already in use")
         if BAD_TOKEN in req.prompt_token_ids:
-            raise InvalidRequest(f"prompt contains the forbidden token {BAD_TOKEN}", param="prompt")
+            raise IzhError(f"internal error: the prompt contains the forbidden token {BAD_TOKEN}")
+        assert ASSERT_TOKEN not in req.prompt_token_ids, "the prompt contains ASSERT_TOKEN"
         self._running[req.request_id] = _FakeRequest(req)
         self._num_prompt_tokens += len(req.prompt_token_ids)
 
@@ -110,6 +130,9 @@ class FakeEngineCore:
         self._num_steps += 1
         if self.options.step_delay_s:
             time.sleep(self.options.step_delay_s)
+        if any(GATE_TOKEN in state.request.prompt_token_ids for state in self._running.values()):
+            self.gate.entered.set()
+            self.gate.release.wait()
         outputs = [self._advance(state) for state in list(self._running.values())]
         self._iteration_tokens.append(len(outputs))
         return outputs

@@ -14,12 +14,13 @@ import pytest
 
 from izh.config import EngineConfig
 from izh.errors import ContextLengthExceeded, EngineDead, InvalidRequest, IzhError, Overloaded
-from izh.frontend.async_llm import AsyncLLM
+from izh.frontend import async_llm
+from izh.frontend.async_llm import REQUEST_SCOPE, AsyncLLM, RequestScope
 from izh.frontend.output_processor import RequestOutput
 from izh.frontend.stats import RequestMetrics, StatLogger
 from izh.protocol import SchedulerStats
-from izh.sampling_params import SamplingParams
-from tests.engine.fake_core import BAD_TOKEN, CRASH_TOKEN, FOREVER_TOKEN, write_options
+from izh.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.engine.fake_core import ASSERT_TOKEN, BAD_TOKEN, CRASH_TOKEN, FOREVER_TOKEN, write_options
 from tests.fixtures.bpe import train_byte_level_bpe
 
 FAKE = "tests.engine.fake_core:FakeEngineCore"
@@ -122,7 +123,7 @@ def test_concurrent_requests_get_their_own_outputs(
             assert all(m.first_token_time >= m.arrival_time > 0 for m in recording.finished)
             firsts = [rid for rid, _, is_first in recording.new_tokens if is_first]
             assert sorted(firsts) == sorted(prompts)
-            stats = await llm.get_stats()
+            stats = llm.get_stats()
             assert stats["num_running"] == 0 and stats["num_requests_in_flight"] == 0
             assert recording.stats
         finally:
@@ -132,30 +133,175 @@ def test_concurrent_requests_get_their_own_outputs(
     assert multiprocessing.active_children() == []
 
 
+def _limit(prefix: str, rest: str) -> str:
+    return f"This model's maximum context length is 16 tokens. However, {prefix}. {rest}"
+
+
+# (prompt, params, prompt_param) -> (error class, message, param): the bodies the HTTP API returns
+# (the API's own checks in serving.py said the same; these pin them at the one validation point).
+VALIDATION_ERRORS: list[tuple[list[int], SamplingParams, str, type[InvalidRequest], str, str]] = [
+    (
+        [1] * 10,
+        SamplingParams(max_tokens=7),
+        "prompt",
+        ContextLengthExceeded,
+        _limit(
+            "you requested 17 tokens (10 in the prompt, 7 in the completion)",
+            "Please reduce the length of the prompt or the completion.",
+        ),
+        "max_tokens",
+    ),
+    (
+        [1] * 10,
+        SamplingParams(max_tokens=7),
+        "messages",
+        ContextLengthExceeded,
+        _limit(
+            "you requested 17 tokens (10 in the messages, 7 in the completion)",
+            "Please reduce the length of the messages or the completion.",
+        ),
+        "max_tokens",
+    ),
+    (
+        [1] * 16,
+        SamplingParams(max_tokens=None),
+        "messages",
+        ContextLengthExceeded,
+        _limit(
+            "your request has 16 input tokens, which leaves no room for the completion",
+            "Please reduce the length of the messages.",
+        ),
+        "messages",
+    ),
+    (
+        [1] * 20,
+        SamplingParams(max_tokens=3),
+        "prompt.1",
+        ContextLengthExceeded,
+        _limit(
+            "your request has 20 input tokens, which leaves no room for the completion",
+            "Please reduce the length of the prompt.1.",
+        ),
+        "prompt.1",
+    ),
+    (
+        [1] * 17,
+        SamplingParams(max_tokens=0),
+        "prompt",
+        ContextLengthExceeded,
+        _limit("your request has 17 input tokens", "Please reduce the length of the prompt."),
+        "prompt",
+    ),
+    (
+        [1, 5000],
+        SamplingParams(),
+        "prompt",
+        InvalidRequest,
+        "prompt token id 5000 is out of range [0, 1000)",
+        "prompt",
+    ),
+    (
+        [-1, 3],
+        SamplingParams(),
+        "prompt.2",
+        InvalidRequest,
+        "prompt.2 token id -1 is out of range [0, 1000)",
+        "prompt.2",
+    ),
+    ([], SamplingParams(), "prompt", InvalidRequest, "the prompt is empty", "prompt"),
+    (
+        [1],
+        SamplingParams(stop_token_ids=[5000], max_tokens=2),
+        "prompt",
+        InvalidRequest,
+        "stop_token_ids contains token id 5000, outside [0, 1000)",
+        "stop_token_ids",
+    ),
+    (
+        [1] * 10,
+        SamplingParams(max_tokens=None, min_tokens=7),
+        "prompt",
+        InvalidRequest,
+        "min_tokens (7) must be <= max_tokens (6)",
+        "min_tokens",
+    ),
+    (
+        [1],
+        SamplingParams(n=2),
+        "prompt",
+        InvalidRequest,
+        "AsyncLLM takes one sequence per request (n=1), got n=2",
+        "n",
+    ),
+    # The API's order: the prompt's ids, then the context length, then the params' token ids.
+    (
+        [5000] * 20,
+        SamplingParams(max_tokens=7, logit_bias={5000: 1.0}),
+        "prompt",
+        InvalidRequest,
+        "prompt token id 5000 is out of range [0, 1000)",
+        "prompt",
+    ),
+    (
+        [1] * 20,
+        SamplingParams(max_tokens=7, logit_bias={5000: 1.0}),
+        "prompt",
+        ContextLengthExceeded,
+        _limit(
+            "your request has 20 input tokens, which leaves no room for the completion",
+            "Please reduce the length of the prompt.",
+        ),
+        "prompt",
+    ),
+]
+
+
 def test_validation_and_context_length(make_model: Callable[..., EngineConfig]) -> None:
     async def body() -> None:
         llm = await start(make_model(max_model_len=16))
         try:
-            with pytest.raises(ContextLengthExceeded) as info:
-                await llm.add_request("a", [1] * 10, SamplingParams(max_tokens=7))
-            assert "maximum context length is 16 tokens" in info.value.message
-            assert "requested 17 tokens (10 in the messages, 7 in the completion)" in info.value.message
-            assert info.value.code == "context_length_exceeded"
-            with pytest.raises(ContextLengthExceeded, match="resulted in 16 tokens"):
-                await llm.add_request("b", [1] * 16, SamplingParams(max_tokens=None))
-            with pytest.raises(InvalidRequest, match="out of range"):
-                await llm.add_request("c", [1, 5000], SamplingParams())
-            with pytest.raises(InvalidRequest, match="empty"):
-                await llm.add_request("d", [], SamplingParams())
-            with pytest.raises(InvalidRequest) as bad_param:
-                await llm.add_request("e", [1], SamplingParams(stop_token_ids=[5000]))
-            assert bad_param.value.param == "stop_token_ids"
-            # max_tokens None takes the rest of the context: 12 tokens after a 4-token prompt.
+            for i, (prompt, params, prompt_param, error, message, param) in enumerate(VALIDATION_ERRORS):
+                with pytest.raises(error) as info:
+                    await llm.add_request(f"bad{i}", prompt, params, prompt_param=prompt_param)
+                assert (type(info.value), info.value.message, info.value.param) == (error, message, param)
+                assert info.value.status_code == 400
+                expected_code = "context_length_exceeded" if error is ContextLengthExceeded else None
+                assert info.value.code == expected_code
+            with pytest.raises(InvalidRequest) as spec:
+                spec_params = StructuredOutputsParams(regex="(a")
+                constrained = SamplingParams(max_tokens=2, structured_outputs=spec_params)
+                await llm.add_request("spec", [1], constrained)
+            assert spec.value.param == "structured_outputs" and "invalid regex" in spec.value.message
+            assert llm.num_in_flight == 0  # nothing refused reached the core
+            # A prompt-only request may fill the context; max_tokens None takes the rest of it:
+            # 12 tokens after a 4-token prompt.
+            prompt_only = await llm.add_request("full", [1] * 16, SamplingParams(max_tokens=0))
+            prompt_only.abort()
             outputs = await collect(
                 await llm.add_request("f", [FOREVER_TOKEN, 1, 2, 3], SamplingParams(max_tokens=None))
             )
             assert outputs[-1].num_output_tokens == 12 and outputs[-1].finish_reason == "length"
             assert llm.num_in_flight == 0
+        finally:
+            await llm.shutdown()
+
+    run(body())
+
+
+def test_the_prompt_limit_comes_after_the_validation(make_model: Callable[..., EngineConfig]) -> None:
+    async def body() -> None:
+        llm = await start(make_model(max_model_len=16))
+        REQUEST_SCOPE.set(RequestScope(max_prompt_tokens=5))
+        try:
+            # Over both the context and the tenant's limit: the context's error, as the API gives it.
+            with pytest.raises(ContextLengthExceeded):
+                await llm.add_request("a", [1] * 17, SamplingParams(max_tokens=None))
+            with pytest.raises(InvalidRequest) as info:
+                await llm.add_request("b", [1] * 6, SamplingParams(max_tokens=2))
+            assert info.value.code == "limit_exceeded" and info.value.param == "prompt"
+            assert info.value.message == (
+                "the prompt has 6 tokens, over the limit of 5 (limits.max_prompt_tokens)"
+            )
         finally:
             await llm.shutdown()
 
@@ -213,7 +359,7 @@ def test_cancelling_the_consumer_aborts_in_the_core(
             assert llm.num_in_flight == 0
             # The Abort went out before this call on the same socket: the core freed the request.
             assert await llm.kv_block_states() == [0] * 64
-            assert (await llm.get_stats())["num_running"] == 0
+            assert llm.get_stats()["num_running"] == 0
             assert [m.finish_reason for m in recording.finished] == ["abort"]
 
             stream = await llm.add_request("closed", [FOREVER_TOKEN, 3], SamplingParams(max_tokens=None))
@@ -270,10 +416,17 @@ def test_core_rejection_fails_one_request(make_model: Callable[..., EngineConfig
     async def body() -> None:
         llm = await start(make_model())
         try:
+            # The frontend validated both; a core that still refuses one has a bug: an internal error
+            # (500) for that request alone.
             bad = await llm.add_request("bad", [1, BAD_TOKEN], SamplingParams())
+            failed = await llm.add_request("assert", [1, ASSERT_TOKEN], SamplingParams())
             good = await llm.add_request("good", [1, 2, 3], SamplingParams())
-            with pytest.raises(InvalidRequest, match="forbidden token"):
+            with pytest.raises(IzhError, match="forbidden token") as info:
                 await collect(bad)
+            assert not isinstance(info.value, InvalidRequest) and info.value.status_code == 500
+            with pytest.raises(IzhError, match="ASSERT_TOKEN") as info:
+                await collect(failed)
+            assert not isinstance(info.value, InvalidRequest)
             assert (await collect(good))[-1].finish_reason == "length"
             assert not llm.is_dead
         finally:
@@ -381,8 +534,9 @@ def test_failed_start_raises_a_clear_error(make_model: Callable[..., EngineConfi
     assert multiprocessing.active_children() == []
 
 
-def test_real_engine_core(request: pytest.FixtureRequest) -> None:
-    """One request through the real EngineCore on the tiny random Llama checkpoint."""
+def test_real_engine_core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One request through the real EngineCore on the tiny random Llama checkpoint; requests that
+    skipped the frontend's validation fail alone there with an internal error."""
     try:
         import izh.engine.core  # noqa: F401
     except ImportError as exc:
@@ -410,7 +564,22 @@ def test_real_engine_core(request: pytest.FixtureRequest) -> None:
             assert "".join(o.text for o in outputs) == llm.tokenizer.decode(
                 [t for o in outputs for t in o.token_ids], skip_special_tokens=True
             )
-            assert (await llm.get_stats())["num_running"] == 0
+            assert llm.get_stats()["num_running"] == 0
+            # Without the one validation point, a bad request reaches the core: a bug, which fails
+            # that request alone (500, not a user's 400) before it can index the embedding table.
+            with monkeypatch.context() as patch:
+                patch.setattr(async_llm, "validate_request", lambda prompt, params, **kwargs: params)
+                greedy = SamplingParams(temperature=0.0, max_tokens=5)
+                bad_ids = await llm.add_request("bad-ids", [1, 10**6], greedy)
+                too_long = await llm.add_request("too-long", [1] * 64, greedy)
+                past_vocab = SamplingParams(temperature=0.0, max_tokens=5, allowed_token_ids=[10**6])
+                bad_params = await llm.add_request("bad-params", prompt, past_vocab)
+            for stream in (bad_ids, too_long, bad_params):
+                with pytest.raises(IzhError, match="internal error") as info:
+                    await collect(stream)
+                assert not isinstance(info.value, InvalidRequest)
+            after = await collect(await llm.add_request("after", prompt, greedy))
+            assert after[-1].finish_reason == "length" and not llm.is_dead
         finally:
             await llm.shutdown()
 

@@ -27,7 +27,14 @@ from izh.errors import EngineDead, IzhError, ModelLoadError
 from izh.frontend.client import EngineCoreClient
 from izh.protocol import Abort, AddRequest, EngineOutput, EngineOutputs
 from izh.sampling_params import SamplingParams
-from tests.engine.fake_core import BAD_TOKEN, CRASH_TOKEN, FOREVER_TOKEN, HANG_TOKEN, write_options
+from tests.engine.fake_core import (
+    ASSERT_TOKEN,
+    BAD_TOKEN,
+    CRASH_TOKEN,
+    FOREVER_TOKEN,
+    HANG_TOKEN,
+    write_options,
+)
 
 FAKE = "tests.engine.fake_core:FakeEngineCore"
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,8 +138,9 @@ def test_ready_outputs_and_utilities(tmp_path: Path, mode: str) -> None:
             first = recorder.outputs["a"][0]
             assert first.num_prompt_tokens == 3 and first.queued_ts > 0
             assert await client.call_utility("ping") == "pong"
-            stats = await client.call_utility("stats")
-            assert stats["num_running"] == 0 and stats["num_generation_tokens"] == 4
+            stats, age_s = client.latest_stats()  # published with the last outputs: the core is idle
+            assert stats is not None and age_s is not None and age_s >= 0
+            assert stats.num_running == 0 and stats.num_generation_tokens == 4
             assert await client.call_utility("reset_prefix_cache") is True
             assert await client.call_utility("kv_block_states") == [0] * 64
             with pytest.raises(IzhError, match="unknown utility method"):
@@ -142,6 +150,36 @@ def test_ready_outputs_and_utilities(tmp_path: Path, mode: str) -> None:
         finally:
             await client.shutdown()
         assert not client.is_dead and recorder.dead == []
+
+    run(body())
+
+
+@modes
+def test_the_core_publishes_its_stats_busy_and_idle(tmp_path: Path, mode: str) -> None:
+    async def body() -> None:
+        recorder = Recorder()
+        client = await start(tmp_path, mode, recorder, step_delay_s=0.005)
+        try:
+            # A snapshot from the start, before any request: the frontend never has to ask.
+            await recorder.until(lambda: client.latest_stats()[0] is not None)
+            assert client.latest_block_map()[0] == [0] * 64
+            client.send(add("forever", [FOREVER_TOKEN, 1], max_tokens=None))
+            # The fake holds one "block" per running request: the published map shows it in use.
+            await recorder.until(lambda: client.latest_block_map()[0][:1] == [1])
+            stats, _ = client.latest_stats()
+            assert stats is not None and stats.num_running == 1 and stats.num_blocks == 64
+            client.send(Abort(["forever"]))
+            await recorder.until(lambda: recorder.finished("forever") is not None)
+            # Going idle publishes at once, block map included.
+            stats, _ = client.latest_stats()
+            assert stats is not None and stats.num_running == 0
+            assert stats.kv_block_states == bytes(64) and client.latest_block_map()[0] == [0] * 64
+            # An idle core keeps publishing, unasked (every IDLE_STATS_INTERVAL_S).
+            seen = len(recorder.stats)
+            await recorder.until(lambda: len(recorder.stats) > seen)
+            assert recorder.stats[-1].num_running == 0 and recorder.stats[-1].kv_block_states == bytes(64)
+        finally:
+            await client.shutdown()
 
     run(body())
 
@@ -173,13 +211,19 @@ def test_a_bad_request_fails_alone(tmp_path: Path, mode: str) -> None:
         try:
             client.send(add("good", [1, 2, 3, 4]))
             client.send(add("bad", [1, BAD_TOKEN]))
+            client.send(add("assert", [1, ASSERT_TOKEN]))
             invalid = add("invalid", [1, 2])
             invalid.sampling_params.temperature = -1.0  # rejected when the core decodes it
             client.send(invalid)
-            await recorder.until(lambda: all(recorder.finished(r) for r in ("good", "bad", "invalid")))
+            names = ("good", "bad", "assert", "invalid")
+            await recorder.until(lambda: all(recorder.finished(r) for r in names))
+            # The frontend validates requests: one the core refuses is a bug, an internal error.
             bad = recorder.finished("bad")
-            assert bad is not None and bad.finish_reason == "error" and bad.error_code == 400
+            assert bad is not None and bad.finish_reason == "error" and bad.error_code == 500
             assert bad.error is not None and "forbidden token" in bad.error
+            failed = recorder.finished("assert")
+            assert failed is not None and failed.finish_reason == "error" and failed.error_code == 500
+            assert failed.error is not None and "ASSERT_TOKEN" in failed.error
             rejected = recorder.finished("invalid")
             assert rejected is not None and rejected.finish_reason == "error" and rejected.error_code == 400
             assert rejected.error is not None and "temperature" in rejected.error
@@ -242,6 +286,39 @@ def test_sigterm_ends_the_core_in_order(tmp_path: Path) -> None:
             await client.shutdown()
 
     run(body())
+
+
+def test_sigterm_at_any_moment_of_start_up_ends_the_core(tmp_path: Path) -> None:
+    """A SIGTERM that lands while the core is starting (interpreter, imports, sockets, the build,
+    Ready, the loop's first steps) ends it: never a process that waits forever on a socket."""
+    import zmq
+
+    from izh.engine.core_proc import run_engine_core
+
+    config = EngineConfig(model=model_dir(tmp_path))
+    spawn = multiprocessing.get_context("spawn")
+    ctx = zmq.Context()
+    try:
+        for i, delay_s in enumerate([0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.5, 2.0, 3.0]):
+            output_addr = f"ipc://{tmp_path}/out{i}"
+            pull = ctx.socket(zmq.PULL)
+            pull.bind(output_addr)
+            args = (config, f"ipc://{tmp_path}/in{i}", output_addr, FAKE, None)
+            proc = spawn.Process(target=run_engine_core, args=args, daemon=True)
+            proc.start()
+            time.sleep(delay_s)
+            os.kill(proc.pid, signal.SIGTERM)
+            proc.join(15)
+            alive = proc.is_alive()
+            if alive:
+                proc.kill()
+                proc.join()
+            pull.close(linger=0)
+            assert not alive, f"the core ignored a SIGTERM sent {delay_s} s after its start"
+            # 143: our handler ran; -15: the signal came before Python set it up
+            assert proc.exitcode in (143, -signal.SIGTERM), proc.exitcode
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_hung_core_is_caught_by_the_heartbeat(tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ MAX_TOKENS = 128
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir: str) -> LLM:
-    return LLM(tiny_llama_dir, kv_cache_memory_bytes=8 << 20, show_progress=False, max_model_len=512)
+    return LLM(tiny_llama_dir, kv_cache_memory_bytes=8 << 20, max_model_len=512)
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,7 @@ params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 result = {}
 for backend in ("torch_paged", "triton_paged"):
     # A small token budget: chunked prefills and decodes share steps (mixed batches).
-    llm = LLM(path, attention_backend=backend, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=12,
-              show_progress=False)
+    llm = LLM(path, attention_backend=backend, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=12)
     assert llm.engine_core.runner.model.paged_backend.name == backend
     result[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 print(json.dumps(result))

@@ -15,8 +15,17 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from izh.api.chat import ChoiceParsers, stream_deltas, supports_tools, template_messages, with_tools_prompt
-from izh.api.parsers import ThinkReasoningParser
+from izh.api.chat_choices import ChoiceParsers
+from izh.api.chat_prompt import supports_tools, template_messages, with_tools_prompt
+from izh.api.chat_stream import stream_deltas
+from izh.api.constraints import (
+    Constraint,
+    answer_only,
+    rename_lark_rule,
+    requested_constraints,
+    single_constraint,
+)
+from izh.api.errors import to_izh_error
 from izh.api.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -26,27 +35,14 @@ from izh.api.protocol import (
     DeltaMessage,
     NamedToolChoice,
     parse_body,
-    to_izh_error,
 )
-from izh.api.serving import (
-    Constraint,
-    answer_only,
-    build_sampling_params,
-    rename_lark_rule,
-    requested_constraints,
-    resolve_max_tokens,
-    sampling_defaults,
-    single_constraint,
-)
+from izh.api.sampling import build_sampling_params, resolve_max_tokens, sampling_defaults
 from izh.errors import ContextLengthExceeded, InvalidRequest, IzhError, ModelNotFound, PayloadTooLarge
-from izh.frontend.tool_parsers import (
-    ContentDelta,
-    HermesToolParser,
-    ToolCallDelta,
-    collect,
-    tool_call_grammar,
-)
 from izh.guided_spec import compile_grammar, validate_spec
+from izh.parsers.hermes import HermesToolParser
+from izh.parsers.reasoning import ThinkReasoningParser
+from izh.parsers.tool_calls import ContentDelta, ToolCallDelta, collect
+from izh.parsers.tool_grammar import tool_call_grammar
 from izh.sampling_params import StructuredOutputsParams
 
 # --- what the official client sends -------------------------------------------------------------
@@ -279,8 +275,20 @@ def test_max_tokens_fits_the_context_or_says_the_numbers() -> None:
         resolve_max_tokens(
             None, explicit=False, default=None, num_prompt_tokens=100, max_model_len=100, param="prompt"
         )
-    # A negative count is not a context problem: SamplingParams rejects it by name.
-    assert resolve_max_tokens(-1, explicit=True, default=None, **common) == -1
+    # A count below 1 is not a context problem: it is refused by name.
+    for requested in (-1, 0):
+        with pytest.raises(InvalidRequest, match="max_tokens must be >= 1") as refused:
+            resolve_max_tokens(requested, explicit=True, default=None, **common)
+        assert refused.value.param == "max_tokens"
+    # 0 where the route scores prompts: the prompt alone may fill the context, not overflow it.
+    full = {**common, "num_prompt_tokens": 100}
+    assert resolve_max_tokens(0, explicit=True, default=None, allow_prompt_only=True, **full) == 0
+    with pytest.raises(ContextLengthExceeded):
+        resolve_max_tokens(
+            0, explicit=True, default=None, allow_prompt_only=True, **{**common, "num_prompt_tokens": 101}
+        )
+    with pytest.raises(InvalidRequest):
+        resolve_max_tokens(-1, explicit=True, default=None, allow_prompt_only=True, **common)
 
 
 def test_izh_error_envelope_has_the_openai_shape() -> None:
@@ -294,7 +302,7 @@ def test_izh_error_envelope_has_the_openai_shape() -> None:
 
 
 def _guarded(app: Any, **kwargs: Any) -> httpx.AsyncClient:
-    from izh.api.app import RequestGuardMiddleware
+    from izh.api.guard import RequestGuardMiddleware
 
     options: dict[str, Any] = {"api_keys": [], "public_paths": frozenset({"/health"}), "max_body_bytes": 100}
     guard = RequestGuardMiddleware(app, **{**options, **kwargs})

@@ -1,10 +1,13 @@
 """The fused CPU kernels (izh.kernels.cpu): the torch references against plain formulas (always), the C
-kernels against the references (when the library builds here), the build cache and the fallbacks."""
+kernels of every variant this CPU runs against the references (when the library builds here), variant
+selection, the switch, the build cache, the fallbacks, and the aarch64 cross build."""
 
 from __future__ import annotations
 
 import logging
 import math
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import izh.kernels.cpu as K
+from izh.errors import ModelLoadError
+from izh.kernels.cpu import compiler as B
+from izh.kernels.cpu import library as L
 
 BF16 = torch.bfloat16
 DTYPES = [torch.float32, BF16]
@@ -23,6 +29,28 @@ EPS = 1e-6
 needs_c = pytest.mark.skipif(
     not K.available(), reason="C kernels unavailable here (IZH_CPU_KERNELS=0, no gcc, or the build failed)"
 )
+VARIANTS_HERE = K.runnable_variants() if K.available() else []
+_NO_VARIANT = pytest.param(None, marks=pytest.mark.skip(reason="C kernels unavailable here"))
+
+
+@pytest.fixture(params=VARIANTS_HERE or [_NO_VARIANT])
+def each_variant(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every variant this CPU runs in turn, through the module-level wrappers (`use_variant`)."""
+    with K.use_variant(request.param) as lib:
+        assert K.variant() == request.param == lib.variant
+        yield request.param
+
+
+on_each_variant = pytest.mark.usefixtures("each_variant")
+
+
+@pytest.fixture
+def kernel_state() -> Iterator[None]:
+    """Restores what `configure` and the first use set, for tests that change them."""
+    state = L.STATE
+    saved = (state.active, state.requested, state.kernels_dir)
+    yield
+    state.active, state.requested, state.kernels_dir = saved
 
 
 @pytest.fixture(autouse=True)
@@ -132,7 +160,7 @@ def test_paged_decode_attention_ref_matches_sdpa(dtype: torch.dtype) -> None:
 # --- C kernels against the references -------------------------------------------------------------------
 
 
-@needs_c
+@on_each_variant
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 3, 64, 4096])
 def test_rms_norm(dtype: torch.dtype, n: int) -> None:
@@ -140,7 +168,7 @@ def test_rms_norm(dtype: torch.dtype, n: int) -> None:
     _assert_close_to_ref(K.rms_norm(x, w, EPS), K.rms_norm_ref(x, w, EPS))
 
 
-@needs_c
+@on_each_variant
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [1, 5, 8, 100, 576, 2048, 5000])
 def test_rms_norm_is_bit_identical(dtype: torch.dtype, hidden: int) -> None:
@@ -150,7 +178,7 @@ def test_rms_norm_is_bit_identical(dtype: torch.dtype, hidden: int) -> None:
     assert torch.equal(K.rms_norm(x, w, EPS), K.rms_norm_ref(x, w, EPS))
 
 
-@needs_c
+@on_each_variant
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_strided_rows(dtype: torch.dtype) -> None:
     wide = _randn(7, 3 * 64, dtype=dtype, seed=5)
@@ -161,7 +189,7 @@ def test_rms_norm_strided_rows(dtype: torch.dtype) -> None:
     _assert_close_to_ref(out, K.rms_norm_ref(x, w, 1e-5))
 
 
-@needs_c
+@on_each_variant
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 3, 64, 4096])
 def test_add_rms_norm(dtype: torch.dtype, n: int) -> None:
@@ -174,7 +202,7 @@ def test_add_rms_norm(dtype: torch.dtype, n: int) -> None:
     _assert_close_to_ref(out, ref)
 
 
-@needs_c
+@on_each_variant
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 3, 64, 4096])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 24)])
@@ -194,7 +222,7 @@ def test_rotary_on_qkv_view(
     assert not torch.equal(qkv[:, :v_start], original[:, :v_start])
 
 
-@needs_c
+@on_each_variant
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 3, 64, 4096])
 def test_silu_mul(dtype: torch.dtype, n: int) -> None:
@@ -205,7 +233,7 @@ def test_silu_mul(dtype: torch.dtype, n: int) -> None:
     _assert_close_to_ref(out, K.silu_mul_ref(gu))
 
 
-@needs_c
+@on_each_variant
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_special_values(dtype: torch.dtype) -> None:
     special = [math.inf, -math.inf, math.nan, 0.0, -0.0, 100.0, -100.0, 88.9, -88.9, -104.0, -120.0, 1e-3]
@@ -217,7 +245,7 @@ def test_silu_mul_special_values(dtype: torch.dtype) -> None:
     assert torch.equal(out[keep], ref[keep])
 
 
-@needs_c
+@on_each_variant
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 4])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (9, 3)])
@@ -236,7 +264,7 @@ def test_paged_decode_attention(
     _assert_attention(out, case.expected_sdpa(), dtype)
 
 
-@needs_c
+@on_each_variant
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [24, 80, 128])
 def test_paged_decode_attention_other_head_dims(dtype: torch.dtype, head_dim: int) -> None:
@@ -247,7 +275,7 @@ def test_paged_decode_attention_other_head_dims(dtype: torch.dtype, head_dim: in
     _assert_attention(out, case.expected_sdpa(), dtype)
 
 
-@needs_c
+@on_each_variant
 def test_paged_decode_attention_large_batch() -> None:
     # 64 sequences: the OpenMP path, with every sequence's own block table.
     seq_lens = [(7 * i) % 90 + 1 for i in range(64)]
@@ -257,7 +285,7 @@ def test_paged_decode_attention_large_batch() -> None:
     _assert_attention(out, case.expected_sdpa(), BF16)
 
 
-@needs_c
+@on_each_variant
 def test_paged_decode_attention_skips_negative_slots() -> None:
     case = _AttentionCase(torch.float32, 4, 2, 64, 4, [5, 9])
     case.slot_mapping[1] = -1  # a padding row: writes nowhere
@@ -272,7 +300,7 @@ def test_paged_decode_attention_skips_negative_slots() -> None:
     _assert_attention(out, ref, torch.float32)
 
 
-@needs_c
+@on_each_variant
 @pytest.mark.parametrize("field", ["block", "seq_len", "slot"])
 def test_paged_decode_attention_rejects_bad_indices(field: str) -> None:
     case = _AttentionCase(torch.float32, 4, 2, 64, 4, [5, 9])
@@ -289,7 +317,7 @@ def test_paged_decode_attention_rejects_bad_indices(field: str) -> None:
     assert torch.equal(case.kv_cache, before)  # checked before anything is written
 
 
-@needs_c
+@on_each_variant
 def test_paged_decode_attention_rejects_mismatched_shapes() -> None:
     case = _AttentionCase(torch.float32, 4, 2, 64, 4, [5, 9])
     args = list(case.args())
@@ -298,7 +326,7 @@ def test_paged_decode_attention_rejects_mismatched_shapes() -> None:
         K.paged_decode_attention(*args)
 
 
-@needs_c
+@on_each_variant
 def test_one_openmp_runtime() -> None:
     if not sys.platform.startswith("linux"):
         pytest.skip("reads /proc/self/maps")
@@ -327,53 +355,202 @@ def test_float16_uses_the_references() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_without_the_library_everything_falls_back(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
-) -> None:
-    monkeypatch.setattr(K, "_kernels", {})
-    monkeypatch.setattr(K, "_resolved", True)
-    assert not K.available()
-    x, w = _randn(3, 64, dtype=dtype), _randn(64, dtype=dtype, seed=1)
+def test_without_the_library_everything_falls_back(dtype: torch.dtype) -> None:
+    with K.use_variant("off"):
+        assert not K.available() and K.variant() is None
+        assert not K.qgemm_available() and K.qgemm_max_rows() == 0
+        x, w = _randn(3, 64, dtype=dtype), _randn(64, dtype=dtype, seed=1)
+        assert torch.equal(K.rms_norm(x, w, EPS), K.rms_norm_ref(x, w, EPS))
+        res_a, res_b = _randn(3, 64, dtype=dtype, seed=2), _randn(3, 64, dtype=dtype, seed=2)
+        assert torch.equal(K.add_rms_norm_(x, res_a, w, EPS), K.add_rms_norm_ref_(x, res_b, w, EPS))
+        assert torch.equal(res_a, res_b)
+        qkv_a = _randn(3, 8 * 16, dtype=dtype, seed=3)
+        qkv_b = qkv_a.clone()
+        cos_sin = _cos_sin(3, 16, dtype)
+        K.rotary_(qkv_a.view(3, 8, 16)[:, :6], cos_sin)
+        K.rotary_ref_(qkv_b.view(3, 8, 16)[:, :6], cos_sin)
+        assert torch.equal(qkv_a, qkv_b)
+        gu = _randn(3, 64, dtype=dtype, seed=4)
+        assert torch.equal(K.silu_mul(gu), K.silu_mul_ref(gu))
+        case = _AttentionCase(dtype, 4, 2, 16, 4, [3, 7])
+        case_ref = case.copy()
+        out = K.paged_decode_attention(*case.args())
+        assert torch.equal(out, K.paged_decode_attention_ref(*case_ref.args()))
+        assert torch.equal(case.kv_cache, case_ref.kv_cache)
+        logits = _randn(3, 50, seed=5)
+        assert torch.equal(K.argmax_rows(logits), K.argmax_rows_ref(logits))
+        assert K.top_p_mask_(logits, torch.full((3,), 0.5)) is None
+    assert K.variant() == (VARIANTS_HERE[0] if VARIANTS_HERE else None)  # back to the one in force
+
+
+# --- variants: selection, the switch ------------------------------------------------------------------------
+
+ZEN3 = "fpu sse2 ssse3 sse4_1 sse4_2 cx16 popcnt lahf_lm abm movbe xsave avx avx2 bmi1 bmi2 f16c fma"
+SKYLAKE_X = ZEN3 + " avx512f avx512bw avx512cd avx512dq avx512vl avx512_vnni"
+SAPPHIRE_RAPIDS = SKYLAKE_X + " avx512_bf16 amx_tile amx_bf16 amx_int8"
+
+
+@pytest.mark.parametrize(
+    ("flags", "machine", "best", "runnable"),
+    [
+        (ZEN3, "x86_64", "avx2", ["avx2", "generic"]),
+        (SKYLAKE_X, "x86_64", "avx2", ["avx2", "generic"]),  # AVX-512 without BF16
+        (SKYLAKE_X + " avx512_bf16", "x86_64", "avx512", ["avx512", "avx2", "generic"]),
+        (SAPPHIRE_RAPIDS, "x86_64", "amx", ["amx", "avx512", "avx2", "generic"]),
+        ("fpu sse2 ssse3 avx", "x86_64", "generic", ["generic"]),
+        ("fp asimd evtstrm aes pmull asimddp", "aarch64", "neon", ["neon", "generic"]),
+        ("fp", "aarch64", "generic", ["generic"]),
+        ("", "riscv64", "generic", ["generic"]),
+    ],
+)
+def test_variant_selection_from_flags(flags: str, machine: str, best: str, runnable: list[str]) -> None:
+    assert K.select_variant("auto", flags.split(), machine).variant == best
+    assert K.runnable_variants(flags.split(), machine) == runnable
+
+
+def test_selection_reasons_name_the_flags() -> None:
+    assert K.select_variant("auto", ZEN3.split(), "x86_64").reason.startswith(
+        "this CPU has avx2 fma f16c, no avx512f"
+    )
+    no_bf16 = K.select_variant("auto", SKYLAKE_X.split(), "x86_64")
+    assert no_bf16.reason == "this CPU has avx2 fma f16c, no avx512_bf16"
+    assert K.select_variant("generic", ZEN3.split(), "x86_64").variant == "generic"
+
+
+def test_an_unrunnable_variant_is_refused_naming_what_is_missing() -> None:
+    lacking = "avx512_bf16 avx512_vnni avx512bw avx512cd avx512dq avx512f avx512vl"
+    with pytest.raises(
+        ValueError, match=rf"avx512 variant .* lacks {lacking} \(runnable here: avx2, generic\)"
+    ):
+        K.select_variant("avx512", ZEN3.split(), "x86_64")
+    with pytest.raises(ValueError, match="amx_bf16 amx_tile"):
+        K.select_variant("amx", (SKYLAKE_X + " avx512_bf16").split(), "x86_64")
+    with pytest.raises(ValueError, match="for aarch64 CPUs; this machine is x86_64"):
+        K.select_variant("neon", ZEN3.split(), "x86_64")
+    with pytest.raises(ValueError, match="unknown CPU kernel variant 'sse9'"):
+        K.select_variant("sse9", ZEN3.split(), "x86_64")
+
+
+def test_variant_flags() -> None:
+    def flags(name: str, machine: str = "x86_64") -> list[str]:
+        return B.compile_command(name, "o", ["s.c"], machine=machine, torch_gomp=False)
+
+    assert flags("generic")[:10] == ["gcc", *B.BASE_CFLAGS, "-march=x86-64", "-mtune=generic"]
+    assert "-march=x86-64-v3" in flags("avx2") and "-march=native" not in flags("avx2")
+    assert {"-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mprefer-vector-width=512"} <= set(
+        flags("avx512")
+    )
+    assert {"-mamx-tile", "-mamx-bf16", "-mavx512bf16"} <= set(flags("amx"))
+    assert "-march=armv8-a+simd" in flags("neon", "aarch64") and "-march=armv8-a" in flags(
+        "generic", "aarch64"
+    )
+
+
+def test_forcing_a_variant_this_cpu_cannot_run_is_a_load_error(kernel_state: None) -> None:
+    for name in K.VARIANT_NAMES:
+        if name in K.runnable_variants():
+            continue
+        with pytest.raises(ModelLoadError, match=f"engine.cpu_kernels = {name}: "):
+            K.configure(name)
+
+
+def test_off_runs_the_torch_fallbacks(tmp_path: Path, kernel_state: None) -> None:
+    K.configure("off", tmp_path)
+    assert K.variant() is None and not K.available() and not K.qgemm_available()
+    x, w = _randn(3, 64), _randn(64, seed=1)
     assert torch.equal(K.rms_norm(x, w, EPS), K.rms_norm_ref(x, w, EPS))
-    res_a, res_b = _randn(3, 64, dtype=dtype, seed=2), _randn(3, 64, dtype=dtype, seed=2)
-    assert torch.equal(K.add_rms_norm_(x, res_a, w, EPS), K.add_rms_norm_ref_(x, res_b, w, EPS))
-    assert torch.equal(res_a, res_b)
-    qkv_a = _randn(3, 8 * 16, dtype=dtype, seed=3)
-    qkv_b = qkv_a.clone()
-    cos_sin = _cos_sin(3, 16, dtype)
-    K.rotary_(qkv_a.view(3, 8, 16)[:, :6], cos_sin)
-    K.rotary_ref_(qkv_b.view(3, 8, 16)[:, :6], cos_sin)
-    assert torch.equal(qkv_a, qkv_b)
-    gu = _randn(3, 64, dtype=dtype, seed=4)
-    assert torch.equal(K.silu_mul(gu), K.silu_mul_ref(gu))
-    case = _AttentionCase(dtype, 4, 2, 16, 4, [3, 7])
-    case_ref = case.copy()
-    out = K.paged_decode_attention(*case.args())
-    assert torch.equal(out, K.paged_decode_attention_ref(*case_ref.args()))
-    assert torch.equal(case.kv_cache, case_ref.kv_cache)
+    assert not (tmp_path / "kernels").exists()  # nothing built
+
+
+def test_off_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel_state: None
+) -> None:
+    monkeypatch.setenv("IZH_CPU_KERNELS", "0")
+    monkeypatch.delenv("IZH_ENGINE__CPU_KERNELS", raising=False)
+    K.configure(None, tmp_path)
+    assert K.variant() is None
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_c
+def test_the_cache_folder_follows_the_setting(tmp_path: Path, kernel_state: None) -> None:
+    # The library cached for the default folder, put where the setting points: found there, not rebuilt.
+    built = K.build(L.STATE.kernels_dir, variant="generic")
+    assert built.path is not None
+    (tmp_path / "kernels").mkdir()
+    shutil.copy(built.path, tmp_path / "kernels" / built.path.name)
+    K.configure("generic", tmp_path)
+    assert L.STATE.kernels_dir == tmp_path / "kernels"
+    assert K.variant() == "generic"
+    assert L.resolve().path == tmp_path / "kernels" / built.path.name
+
+
+def test_the_default_cache_folder_follows_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("IZH_MODEL__CACHE_DIR", raising=False)
+    monkeypatch.setenv("IZH_CACHE_DIR", str(tmp_path))
+    assert K.default_cache_dir() == tmp_path / "kernels"
+    monkeypatch.setenv("IZH_MODEL__CACHE_DIR", str(tmp_path / "m"))
+    assert K.default_cache_dir() == tmp_path / "m" / "kernels"
+
+
+@needs_c
+def test_each_variant_is_its_own_library() -> None:
+    libs = [K.load_variant(name) for name in VARIANTS_HERE]
+    assert len({lib.path for lib in libs}) == len(libs)
+    assert [lib.variant for lib in libs] == VARIANTS_HERE
+    for lib in libs:
+        assert lib.path is not None and lib.path.name.startswith(f"izh_cpu-{lib.variant}-")
+        assert bool(lib.qgemm) == (lib.variant in ("avx512", "amx"))
+    assert K.load_variant(VARIANTS_HERE[0]) is libs[0]  # loaded once
 
 
 # --- build and cache ------------------------------------------------------------------------------------
 
 
+def _tiny_sources(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "common.h").write_text("#define IZH_TINY 41\n")
+    (folder / "a.c").write_text('#include "common.h"\nint izh_tiny(void) { return IZH_TINY + 1; }\n')
+    return folder
+
+
 @needs_c
-def test_build_reuses_the_cached_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("IZH_CACHE_DIR", str(tmp_path))
-    assert K.default_cache_dir() == tmp_path / "kernels"
-    first = K.build()
+def test_build_reuses_the_cached_library(tmp_path: Path) -> None:
+    src = _tiny_sources(tmp_path / "src")
+    cache = tmp_path / "kernels"
+    first = K.build(cache, variant="generic", source_dir=src)
     assert first.path is not None and first.compiled and first.error is None
-    assert first.path.parent == tmp_path / "kernels"
+    assert first.path.parent == cache and first.path.name.startswith("izh_cpu-generic-")
     stamp = first.path.stat().st_mtime_ns
-    second = K.build(tmp_path / "kernels")
+    second = K.build(cache, variant="generic", source_dir=src)
     assert second.path == first.path and not second.compiled
     assert first.path.stat().st_mtime_ns == stamp
-    assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == [first.path.name]  # no temp files
+    assert sorted(p.name for p in cache.iterdir()) == [first.path.name]  # no temp files
 
 
-def test_disabled_by_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("IZH_CPU_KERNELS", "0")
-    assert K._load_library(tmp_path) is None
-    assert list(tmp_path.iterdir()) == []
+@needs_c
+def test_every_source_file_is_compiled_and_hashed(tmp_path: Path) -> None:
+    import ctypes
+
+    src = _tiny_sources(tmp_path / "src")
+    cache = tmp_path / "kernels"
+    first = K.build(cache, variant="generic", source_dir=src)
+    (src / "common.h").write_text("#define IZH_TINY 1\n")  # a header change is a new library
+    second = K.build(cache, variant="generic", source_dir=src)
+    (src / "b.c").write_text('#include "common.h"\nint izh_tiny_b(void) { return 7; }\n')  # a new file
+    third = K.build(cache, variant="generic", source_dir=src)
+    assert first.path and second.path and third.path
+    assert len({first.path, second.path, third.path}) == 3
+    lib = ctypes.CDLL(str(third.path))
+    assert lib.izh_tiny() == 2 and lib.izh_tiny_b() == 7
+
+
+def test_the_shipped_sources() -> None:
+    names = {p.name for p in B.source_files()}
+    assert {"norm.c", "attention.c", "qgemm_avx512.c", "stack.c", "sampling.c"} <= names
+    assert (B.CSRC / "common.h").is_file()
 
 
 def test_missing_compiler() -> None:
@@ -382,17 +559,72 @@ def test_missing_compiler() -> None:
 
 
 @needs_c
-def test_failed_build_warns_and_falls_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_failed_build_warns_once_and_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, kernel_state: None
 ) -> None:
-    broken = tmp_path / "broken.c"
-    broken.write_text("int izh_broken(void) { return syntax error; }\n")
-    monkeypatch.setattr(K, "SOURCE", broken)
-    with caplog.at_level(logging.WARNING, logger=K.__name__):
-        assert K._load_library(tmp_path / "cache") is None
+    broken = tmp_path / "src"
+    broken.mkdir()
+    (broken / "broken.c").write_text("int izh_broken(void) { return syntax error; }\n")
+    monkeypatch.setattr(B, "CSRC", broken)
+    K.configure("auto", tmp_path / "cache")
+    with caplog.at_level(logging.INFO, logger=K.__name__):
+        assert not K.available() and K.variant() is None
+        assert not K.available()  # resolved once: no second warning
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "syntax" in warnings[0].getMessage()
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == []  # the temp file is gone
+    assert "torch fallbacks" in warnings[0].getMessage()
+    assert [p.name for p in (tmp_path / "cache" / "kernels").iterdir()] == []  # the temp file is gone
+
+
+@needs_c
+def test_the_variant_in_force_is_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, kernel_state: None
+) -> None:
+    K.configure("auto")
+    L.STATE.active = None
+    with caplog.at_level(logging.INFO, logger=K.__name__):
+        K.available()
+        K.rms_norm(_randn(2, 8), _randn(8), EPS)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("izh CPU kernels: ")]
+    best = K.select_variant("auto")
+    assert lines == [f"izh CPU kernels: {best.variant} ({best.reason})"]
+
+
+# --- aarch64: the sources cross-compile ----------------------------------------------------------------
+
+CROSS_CC = "aarch64-linux-gnu-gcc"
+
+
+@pytest.mark.skipif(
+    shutil.which(CROSS_CC) is None, reason=f"{CROSS_CC} not installed (gcc-aarch64-linux-gnu)"
+)
+def test_the_sources_compile_for_aarch64(tmp_path: Path) -> None:
+    """The neon and generic variants' flags, with Debian's cross compiler: a shared object when the cross
+    libgomp is there, else objects; either way AArch64 code (no x86 intrinsic outside its guards)."""
+    sources = [str(p) for p in B.source_files()]
+    probe = subprocess.run([CROSS_CC, "-print-file-name=libgomp.so"], capture_output=True, text=True)
+    shared = probe.returncode == 0 and Path(probe.stdout.strip()).is_absolute()
+    runs = {}
+    for name in ("neon", "generic"):
+        out = tmp_path / name
+        out.mkdir()
+        cmd = B.compile_command(
+            name, str(out / "izh_cpu.so"), sources, compiler=CROSS_CC, machine="aarch64", torch_gomp=False
+        )
+        if not shared:
+            cmd = [arg for arg in cmd if arg not in ("-shared", "-lm")]
+            cmd = [*cmd[: cmd.index("-o")], "-c", *sources]
+        runs[name] = subprocess.Popen(
+            cmd, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+    for name, proc in runs.items():
+        output, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{name}: {output[-3000:]}"
+        built = sorted((tmp_path / name).glob("*.so" if shared else "*.o"))
+        assert built, name
+        for path in built:
+            header = subprocess.run(["readelf", "-h", str(path)], capture_output=True, text=True, check=True)
+            assert "AArch64" in header.stdout, (name, path.name, header.stdout)
 
 
 # --- helpers ----------------------------------------------------------------------------------------------
@@ -506,9 +738,22 @@ class _AttentionCase:
 
 # --- quantized record matmuls ----------------------------------------------------------------------------
 
-needs_qgemm = pytest.mark.skipif(
-    not K.qgemm_available(), reason="record kernels need the C kernels and AVX512-BW + AVX512-BF16"
+QGEMM_VARIANTS_HERE = [name for name in VARIANTS_HERE if name in ("avx512", "amx")]
+_NO_QGEMM = pytest.param(
+    None,
+    marks=pytest.mark.skip(reason="record kernels need the avx512 or amx variant (AVX512-BW + AVX512-BF16)"),
 )
+
+
+@pytest.fixture(params=QGEMM_VARIANTS_HERE or [_NO_QGEMM])
+def each_qgemm_variant(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every variant with the record matmuls that this CPU runs, through the module-level wrappers."""
+    with K.use_variant(request.param):
+        assert K.qgemm_available()
+        yield request.param
+
+
+needs_qgemm = pytest.mark.usefixtures("each_qgemm_variant")
 
 
 def _q4_parts(n: int, k: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -626,23 +871,27 @@ def test_q4_matmul_reads_strided_rows() -> None:
 
 
 def test_record_matmuls_fall_back_to_the_reference() -> None:
-    """float32 input, more rows than the kernels take: the reference answers."""
+    """bfloat16 input with more rows than the bfloat16 kernels take: the bfloat16 reference answers;
+    float32 input without the library: the float32 (int8-activation) reference does."""
     records = K.pack_q4(*_q4_parts(16, 32, seed=5))
-    for x in (_randn(2, 32, seed=6), _randn(K.qgemm_max_rows() + 1, 32, dtype=BF16, seed=7)):
-        assert torch.equal(K.q4_matmul(x, records, 16, 32), K.q4_matmul_ref(x, records, 16, 32))
+    x = _randn(K.qgemm_max_rows() + 1, 32, dtype=BF16, seed=7)
+    assert torch.equal(K.q4_matmul(x, records, 16, 32), K.q4_matmul_ref(x, records, 16, 32))
+    x32 = _randn(2, 32, seed=6)
+    with K.use_variant("off"):
+        assert torch.equal(K.q4_matmul(x32, records, 16, 32), K.q4_matmul_x8_ref(x32, records, 16, 32))
 
 
 # --- greedy argmax ----------------------------------------------------------------------------------------
 
 
-@needs_c
+@on_each_variant
 @pytest.mark.parametrize(("rows", "n"), [(1, 1), (1, 15), (3, 16), (5, 49152), (64, 1000), (2, 33)])
 def test_argmax_rows_matches_torch_max(rows: int, n: int) -> None:
     x = _randn(rows, n, seed=rows * n)
     assert torch.equal(K.argmax_rows(x), K.argmax_rows_ref(x))
 
 
-@needs_c
+@on_each_variant
 def test_argmax_rows_first_maximum_infinities_and_nan() -> None:
     x = torch.zeros(6, 40)
     x[0, [7, 3, 30]] = 2.0  # ties: the first index
@@ -659,7 +908,7 @@ def test_argmax_rows_first_maximum_infinities_and_nan() -> None:
     assert K.argmax_rows(strided).tolist() == [0, 17, 0]
 
 
-@needs_c
+@on_each_variant
 @pytest.mark.parametrize(("rows", "n"), [(1, 1), (3, 7), (4, 300), (33, 49152)])
 def test_sample_rows_draws_where_the_reference_does(rows: int, n: int) -> None:
     """Same rule as softmax + float64 inverse CDF; a draw may differ only within rounding of a token
@@ -676,7 +925,7 @@ def test_sample_rows_draws_where_the_reference_does(rows: int, n: int) -> None:
     assert (got == ref).float().mean().item() >= 0.9
 
 
-@needs_c
+@on_each_variant
 def test_sample_rows_edges() -> None:
     logits = torch.full((5, 40), -torch.inf)
     logits[0, 17] = 0.0  # one allowed token: always it

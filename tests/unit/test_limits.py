@@ -3,6 +3,7 @@ whatever a client sends, the answer is a 400 naming a field or the limit, never 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -10,16 +11,20 @@ import pydantic
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from starlette.requests import Request
 
-from izh.api.limits import NOT_JSON, LimitExceeded, RequestLimits, json_depth, load_json
+from izh.api.errors import to_izh_error
+from izh.api.limits import NOT_JSON, RequestLimits, json_depth, load_json, parse_json
 from izh.api.protocol import (
+    PARSED_BODY,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ParsedBody,
     TokenizeRequest,
-    to_izh_error,
+    parse_body,
 )
-from izh.errors import InvalidRequest
+from izh.errors import InvalidRequest, IzhError, LimitExceeded
 from izh.settings import LimitSettings
 
 LIMITS = RequestLimits(
@@ -236,3 +241,86 @@ def test_depth_limit_is_exact(depth: int) -> None:
     else:
         with pytest.raises(LimitExceeded):
             load_json(raw, 40)
+
+
+# --- the body is parsed once: the guard's value validates as the bytes would -------------------------
+
+
+def _validated(raw: bytes, model: type[pydantic.BaseModel], shared: Any = None) -> Any:
+    """parse_body's model (as a dump) or its error (status, message, param), with or without the
+    value the guard parsed in the request's state."""
+    messages = [{"type": "http.request", "body": raw, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    state = {} if shared is None else {PARSED_BODY: ParsedBody(raw, shared)}
+    request = Request({"type": "http", "method": "POST", "path": "/", "headers": [], "state": state}, receive)
+    try:
+        return asyncio.run(parse_body(request, model, 1 << 20)).model_dump_json()
+    except IzhError as exc:
+        return (exc.status_code, exc.message, exc.param)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=BODIES | JSON_VALUES)
+def test_the_guards_parsed_value_validates_exactly_as_the_bytes_do(body: Any) -> None:
+    raw = json.dumps(body).encode()
+    value, shared = parse_json(raw, 64)
+    assert shared and value == json.loads(raw)
+    for model in MODELS:
+        assert _validated(raw, model, shared=value) == _validated(raw, model)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"messages": "\\ud800"}',
+        "\ufeff{}".encode(),
+        "{}".encode("utf-16"),
+        b"[" * 300 + b"]" * 300,
+        b" ",
+        b"{",
+    ],
+)
+def test_bodies_pydantic_reads_otherwise_are_not_shared(raw: bytes) -> None:
+    try:
+        value, shared = parse_json(raw, 1000)
+    except LimitExceeded:
+        return
+    assert not shared and (value is NOT_JSON or value == load_json(raw, 1000))
+
+
+def test_behind_the_guard_a_route_validates_the_parsed_body_without_reading_it_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import httpx
+
+    from izh.api import protocol
+    from izh.api.guard import RequestGuardMiddleware
+
+    async def route(scope: Any, receive: Any, send: Any) -> None:
+        try:
+            body = await parse_body(Request(scope, receive), ChatCompletionRequest, 1 << 20)
+            reply, status = body.messages[0].content, 200
+        except InvalidRequest as exc:
+            reply, status = exc.message, exc.status_code
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": str(reply).encode()})
+
+    async def no_reading(*args: Any) -> bytes:
+        raise AssertionError("the body was read again")
+
+    async def post(content: bytes) -> httpx.Response:
+        transport = httpx.ASGITransport(app=RequestGuardMiddleware(route))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post("/v1/chat/completions", content=content)
+
+    monkeypatch.setattr(protocol, "read_body", no_reading)
+    ok = asyncio.run(post(json.dumps(CHAT).encode()))
+    assert (ok.status_code, ok.text) == (200, "hi")
+    bad = asyncio.run(post(b'{"messages": {}}'))
+    assert (bad.status_code, bad.text) == (400, "messages: Input should be a valid array")
+    monkeypatch.undo()  # not JSON to pydantic: the route reads and parses the bytes itself
+    refused = asyncio.run(post(b'{"messages": "\\ud800"}'))
+    assert refused.status_code == 400 and "not valid JSON" in refused.text

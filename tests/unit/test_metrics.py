@@ -152,6 +152,29 @@ def test_a_finished_request_fills_the_latency_histograms() -> None:
     assert _value(text, f"izh:request_params_max_tokens_sum{{{LABELS}}}") == 4
 
 
+def test_a_scored_prompt_counts_its_prompt_tokens_and_prefill_but_no_first_token() -> None:
+    stat_logger = _logger()
+    stat_logger.on_request_finished(
+        RequestMetrics(
+            request_id="r",
+            arrival_time=10.0,
+            num_prompt_tokens=9,
+            max_tokens=0,
+            queued_ts=10.1,
+            scheduled_ts=10.25,
+            finished_time=10.75,
+            finish_reason="length",
+        )
+    )
+    text = _text(stat_logger)
+    assert _value(text, f"izh:prompt_tokens_total{{{LABELS}}}") == 9
+    assert _value(text, f"izh:request_prompt_tokens_sum{{{LABELS}}}") == 9
+    assert _value(text, f"izh:time_to_first_token_seconds_count{{{LABELS}}}") == 0
+    assert abs(_value(text, f"izh:request_prefill_time_seconds_sum{{{LABELS}}}") - 0.5) < 1e-9
+    assert abs(_value(text, f"izh:request_queue_time_seconds_sum{{{LABELS}}}") - 0.15) < 1e-9
+    assert abs(_value(text, f"izh:e2e_request_latency_seconds_sum{{{LABELS}}}") - 0.75) < 1e-9
+
+
 def test_an_abort_before_the_first_token_counts_no_latency() -> None:
     stat_logger = _logger()
     stat_logger.on_request_finished(

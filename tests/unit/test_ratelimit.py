@@ -9,12 +9,12 @@ import pytest
 
 from izh.api.ratelimit import (
     RateLimiter,
-    RateLimitExceeded,
     TokenBucket,
     api_key_cache_salt,
     api_key_id,
     estimate_request_tokens,
 )
+from izh.errors import RateLimitExceeded
 from izh.settings import KeyRateLimit
 
 
@@ -129,6 +129,7 @@ def test_no_limits_means_disabled_and_unbounded() -> None:
         ({"messages": [{"role": "user", "content": "y" * 8}], "max_completion_tokens": 3}, 3 + 3),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": "z" * 12}]}]}, 5 + 7),
         ({"prompt": "hi", "max_tokens": 10_000}, 1 + 99),  # the output is capped by the context
+        ({"prompt": [1, 2, 3], "max_tokens": 0, "echo": True}, 3),  # a scored prompt: no output
         ({"prompt": "hi", "max_tokens": "lots", "n": -1}, 1 + 7),  # junk: the route refuses it
         ([1, 2], 1),
     ],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from izh.api.parsers import (
+from izh.parsers.reasoning import (
     ReasoningDelta,
     ThinkReasoningParser,
     prompt_ends_in_reasoning,

@@ -70,7 +70,7 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"repetition_penalty": 2.5}, "repetition_penalty"),
     ({"repetition_penalty": math.nan}, "repetition_penalty"),
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 17, "max_tokens": 16}, "min_tokens"),
     ({"logprobs": 21}, "logprobs"),
@@ -115,15 +115,40 @@ def test_validate_catches_values_changed_after_construction() -> None:
         ({"stop_token_ids": [100]}, "stop_token_ids"),
         ({"allowed_token_ids": [3, 100]}, "allowed_token_ids"),
         ({"logit_bias": {100: 1.0}}, "logit_bias"),
+        ({"bad_words_token_ids": [[1], [2, 100]]}, "bad_words_token_ids"),
+        (
+            {"stop_token_ids": [1], "logit_bias": {5: 1.0, 100: -1.0}, "allowed_token_ids": [100]},
+            "logit_bias",
+        ),
     ],
 )
 def test_token_ids_checked_against_vocab(kwargs: dict[str, Any], param: str) -> None:
     params = SamplingParams(**kwargs)  # in range while the vocabulary is unknown
     params.validate(vocab_size=101)
+    params.validate_vocab(101)
     with pytest.raises(InvalidRequest) as info:
         params.validate(vocab_size=100)
     assert info.value.param == param
-    assert "100" in info.value.message
+    assert info.value.message == f"{param} contains token id 100, outside [0, 100)"
+    # validate_vocab, the frontend's one check, says exactly what the full validate says.
+    with pytest.raises(InvalidRequest) as only_vocab:
+        params.validate_vocab(100)
+    assert (only_vocab.value.message, only_vocab.value.param) == (info.value.message, info.value.param)
+
+
+def test_max_token_id_is_the_largest_id_of_any_field() -> None:
+    assert SamplingParams().max_token_id() == -1
+    assert SamplingParams(stop_token_ids=[3], logit_bias={9: 1.0}, allowed_token_ids=[4]).max_token_id() == 9
+    assert SamplingParams(allowed_token_ids=[12, 2], bad_words_token_ids=[[1, 7]]).max_token_id() == 12
+    assert SamplingParams(bad_words_token_ids=[[1, 70]], stop_token_ids=[5]).max_token_id() == 70
+
+
+def test_derived_copies_leave_the_original_alone() -> None:
+    params = SamplingParams(max_tokens=None, bad_words=["x"])
+    resolved = params.with_max_tokens(7)
+    assert (resolved.max_tokens, params.max_tokens) == (7, None)
+    banned = params.with_bad_words_token_ids(lambda text: [3] if text == "x" else [4, 3], 10)
+    assert banned.bad_words_token_ids == [[3], [4, 3]] and params.bad_words_token_ids == []
 
 
 def test_boundary_values_are_accepted() -> None:

@@ -16,6 +16,7 @@ from izh.settings import (
     KeyRateLimit,
     SettingsError,
     env_cache_dir,
+    env_cpu_kernels,
     iter_setting_fields,
     load_settings,
     parse_byte_size,
@@ -103,6 +104,35 @@ def test_cache_dir_shortcut_and_nested_wins(tmp_path: Path, monkeypatch: pytest.
     assert load_settings(env={"IZH_CACHE_DIR": "~/c1"}).model.cache_dir == tmp_path / "c1"
     both = {"IZH_CACHE_DIR": str(tmp_path / "c1"), "IZH_MODEL__CACHE_DIR": str(tmp_path / "c2")}
     assert load_settings(env=both).model.cache_dir == tmp_path / "c2"
+
+
+def test_cpu_kernels_setting_round_trips(tmp_path: Path) -> None:
+    assert load_settings(env={}).engine.cpu_kernels == "auto"
+    assert load_settings(env={"IZH_ENGINE__CPU_KERNELS": "AVX2"}).engine.cpu_kernels == "avx2"
+    # IZH_CPU_KERNELS is a shortcut (0 = off, the old switch); the nested variable wins.
+    assert load_settings(env={"IZH_CPU_KERNELS": "0"}).engine.cpu_kernels == "off"
+    assert load_settings(env={"IZH_CPU_KERNELS": "1"}).engine.cpu_kernels == "auto"
+    both = {"IZH_CPU_KERNELS": "off", "IZH_ENGINE__CPU_KERNELS": "generic"}
+    assert load_settings(env=both).engine.cpu_kernels == "generic"
+    config = tmp_path / "izh.toml"
+    config.write_text('[engine]\ncpu_kernels = "neon"\n')
+    assert load_settings(config, env={}).engine.cpu_kernels == "neon"
+    flagged = load_settings(config, overrides={"engine.cpu_kernels": "amx"}, env={})
+    assert flagged.engine.cpu_kernels == "amx"
+    assert flagged.to_engine_config("/m").cpu_kernels == "amx"
+    specs = {spec.dotted: spec for spec in settings_flag_specs()}
+    assert specs["engine.cpu_kernels"].flag == "--cpu-kernels"
+    assert specs["engine.cpu_kernels"].choices == ("auto", "off", "generic", "avx2", "avx512", "amx", "neon")
+    with pytest.raises(SettingsError, match=r"engine.cpu_kernels: .*sse9.*IZH_CPU_KERNELS"):
+        load_settings(env={"IZH_CPU_KERNELS": "sse9"})
+
+
+def test_env_cpu_kernels_alone() -> None:
+    assert env_cpu_kernels({}) == "auto"
+    assert env_cpu_kernels({"IZH_CPU_KERNELS": "0"}) == "off"
+    assert env_cpu_kernels({"IZH_CPU_KERNELS": "0", "IZH_ENGINE__CPU_KERNELS": "Generic"}) == "generic"
+    with pytest.raises(SettingsError, match="IZH_ENGINE__CPU_KERNELS"):
+        env_cpu_kernels({"IZH_ENGINE__CPU_KERNELS": "fast"})
 
 
 def test_foreign_env_vars_are_ignored() -> None:
@@ -327,6 +357,8 @@ def test_to_engine_config_maps_every_field() -> None:
         "engine.num_threads": 2,
         "engine.enforce_eager": True,
         "engine.attention_backend": "torch_paged",
+        "engine.cpu_kernels": "generic",
+        "model.cache_dir": "/cache",
     }
     config = load_settings(overrides=overrides, env={}).to_engine_config("/models/x.gguf")
     assert config == EngineConfig(
@@ -347,6 +379,8 @@ def test_to_engine_config_maps_every_field() -> None:
         num_threads=2,
         enforce_eager=True,
         attention_backend="torch_paged",
+        cpu_kernels="generic",
+        cache_dir="/cache",
     )
     # No EngineConfig field may keep its default silently: each one differs from it above.
     defaults = EngineConfig(model="/models/x.gguf")

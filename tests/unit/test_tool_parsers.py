@@ -1,5 +1,5 @@
-"""Tool-call parsers: whole and streaming parsing agree at every split, no markup reaches content,
-and the tool_choice grammar accepts exactly the well-formed calls."""
+"""Tool-call parsers: whole and streaming parsing agree at every split, arguments stream as they are
+written, no markup reaches content, and the tool_choice grammar accepts exactly the well-formed calls."""
 
 from __future__ import annotations
 
@@ -14,21 +14,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from izh.errors import InvalidRequest
-from izh.frontend.tool_parsers import (
+from izh.guided_spec import compile_grammar
+from izh.parsers.hermes import HermesToolParser, render_tools_system_prompt
+from izh.parsers.llama3 import Llama3JsonToolParser
+from izh.parsers.tool_calls import (
     ContentDelta,
     Delta,
-    HermesToolParser,
-    Llama3JsonToolParser,
     ToolCall,
     ToolCallDelta,
     ToolParser,
     collect,
     new_call_id,
-    render_tools_system_prompt,
-    select_tool_parser,
-    tool_call_grammar,
 )
-from izh.guided_spec import compile_grammar
+from izh.parsers.tool_grammar import tool_call_grammar
+from izh.parsers.tools import select_tool_parser
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 TIME = '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}'
@@ -95,15 +94,24 @@ HERMES_CASES: list[tuple[str, str | None, list[tuple[str, str]]]] = [
 ]
 
 MALFORMED_HERMES = [
-    '<tool_call>{"name": "f", "arguments": {"a": }</tool_call>',
     "<tool_call>not json at all</tool_call>",
     '<tool_call>{"arguments": {}}</tool_call>',
     '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "", "arguments": {}}</tool_call>',
     '<tool_call>{"name": "f", "arguments": [1, 2]}</tool_call>',
     '<tool_call>{"name": "f", "arguments": "not json"}</tool_call>',
-    '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
-    '<tool_call>{"name": "f", "arguments": {"x": 1e999}}</tool_call>',
-    '<tool_call>{"name": "f", "arguments": {"x": 1}',
+    '<tool_call>{"name": "f", "arguments": "{\\"x\\": NaN}"}</tool_call>',
+    '<tool_call>{"arguments": {"x": 1}, "name": "f"',
+]
+
+# Calls from their header on: the arguments are what the model wrote, broken or cut off.
+STREAMED_HERMES: list[tuple[str, list[tuple[str, str]]]] = [
+    ('<tool_call>{"name": "f", "arguments": {"a": }</tool_call>', [("f", '{"a": }')]),
+    ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', [("f", '{"x": NaN}')]),
+    ('<tool_call>{"name": "f", "arguments": {"x": 1}, "extra": 2}</tool_call>', [("f", '{"x": 1}')]),
+    ('<tool_call>{"name": "f", "arguments": {"x": 1}', [("f", '{"x": 1}')]),
+    ('<tool_call>\n{"name": "f", "arguments": {"x": [1, "a', [("f", '{"x": [1, "a')]),
+    ('<tool_call>{"name": "f", "arguments": {"x": 1</tool_call>', [("f", '{"x": 1')]),
 ]
 
 LLAMA3_CASES: list[tuple[str, str | None, list[tuple[str, str]]]] = [
@@ -124,7 +132,13 @@ LLAMA3_CASES: list[tuple[str, str | None, list[tuple[str, str]]]] = [
     ("The weather in Paris is sunny.", "The weather in Paris is sunny.", []),
     ("  plain {with braces}", "  plain {with braces}", []),
     ('{"answer": 42}', '{"answer": 42}', []),
-    ('{"name": "a", "parameters": {"x": ', '{"name": "a", "parameters": {"x": ', []),
+    ('{"name": "a", "parameters": {"x": ', None, [("a", '{"x": ')]),  # cut off after its header
+    ('{"name": "a", "parameters": [1]} more', '{"name": "a", "parameters": [1]} more', []),
+    (
+        '{"name": "a", "parameters": {"x": 1}, "id": 7} ; {"name": "b"}',
+        None,
+        [("a", '{"x": 1}'), ("b", "{}")],
+    ),
     ('<|python_tag|>brave_search.call(query="x")', 'brave_search.call(query="x")', []),
     ("<|python_", "<|python_", []),
     ("", None, []),
@@ -143,6 +157,13 @@ def test_hermes_malformed_call_stays_content(text: str) -> None:
         text,
         calls(("get_time", {"tz": "Europe/Paris"})),
     )
+
+
+@pytest.mark.parametrize(("text", "expected"), STREAMED_HERMES)
+def test_hermes_call_streamed_from_its_header_keeps_its_arguments_as_written(
+    text: str, expected: list[tuple[str, str]]
+) -> None:
+    assert whole(HermesToolParser, text) == (None, expected)
 
 
 @pytest.mark.parametrize(("text", "content", "expected"), LLAMA3_CASES)
@@ -191,8 +212,7 @@ def _assert_call_deltas_well_formed(deltas: list[Delta], tool_calls: list[ToolCa
             seen.add(delta.index)
         else:
             assert delta.id is None and delta.name is None and delta.type is None
-    for call in tool_calls:
-        json.loads(call.arguments)
+    assert len(seen) == len(tool_calls)
 
 
 def splits(text: str) -> list[list[str]]:
@@ -203,6 +223,7 @@ def splits(text: str) -> list[list[str]]:
 HERMES: type[ToolParser] = HermesToolParser
 LLAMA3: type[ToolParser] = Llama3JsonToolParser
 ALL_CASES = [(HERMES, text) for text, _, _ in HERMES_CASES] + [(HERMES, text) for text in MALFORMED_HERMES]
+ALL_CASES += [(HERMES, text) for text, _ in STREAMED_HERMES]
 ALL_CASES += [(LLAMA3, text) for text, _, _ in LLAMA3_CASES]
 
 
@@ -245,16 +266,45 @@ def test_content_streams_before_the_message_ends() -> None:
     assert parser.feed("Hello there") == [ContentDelta("Hello there")]
     assert parser.feed(" <tool") == []  # maybe a tag: held back
     assert parser.feed("kit>") == [ContentDelta(" <toolkit>")]
-    assert parser.feed(f"\n<tool_call>{TIME}") == []
-    deltas = parser.feed("</tool_call>")
-    header, fragment = deltas
+    header, fragment = parser.feed(f"\n<tool_call>{TIME}")
     assert isinstance(header, ToolCallDelta) and isinstance(fragment, ToolCallDelta)
     assert header.name == "get_time" and fragment.arguments == '{"tz": "Europe/Paris"}'
+    assert parser.feed("</tool_call>") == []
     assert parser.finish() == []
     llama = Llama3JsonToolParser()
     assert llama.feed(" ") == []
     assert llama.feed("Hi") == [ContentDelta(" Hi")]
     assert llama.feed(" {x}") == [ContentDelta(" {x}")]
+
+
+@pytest.mark.parametrize(
+    ("parser_class", "text"),
+    [
+        (HERMES, f"Sure.\n<tool_call>\n{WEATHER}\n</tool_call>"),
+        (LLAMA3, WEATHER.replace("arguments", "parameters")),
+    ],
+)
+def test_arguments_stream_as_they_are_written(parser_class: type[ToolParser], text: str) -> None:
+    """Fed a character at a time, a call's arguments arrive in as many fragments as they have
+    characters, after a first delta with its name and empty arguments."""
+    parser = parser_class()
+    per_piece = [parser.feed(char) for char in text] + [parser.finish()]
+    fragments = [d for piece in per_piece for d in piece if isinstance(d, ToolCallDelta) and d.id is None]
+    (first,) = [d for piece in per_piece for d in piece if isinstance(d, ToolCallDelta) and d.id]
+    assert (first.index, first.type, first.name, first.arguments) == (0, "function", "get_weather", "")
+    arguments = '{"city": "Paris", "unit": "celsius"}'
+    assert [f.arguments for f in fragments] == list(arguments)
+    # Each fragment goes out with the character that completes it, not at the call's end.
+    end_of_arguments = text.index(arguments) + len(arguments)
+    assert all(not any(isinstance(d, ToolCallDelta) for d in piece) for piece in per_piece[end_of_arguments:])
+
+
+def test_a_call_whose_json_starts_otherwise_waits_for_its_end() -> None:
+    parser = HermesToolParser()
+    assert parser.feed('<tool_call>{"arguments": {"tz": "UTC"}, "name": "get_time"}') == []
+    header, fragment = parser.feed("</tool_call>")
+    assert isinstance(header, ToolCallDelta) and isinstance(fragment, ToolCallDelta)
+    assert (header.name, fragment.arguments) == ("get_time", '{"tz": "UTC"}')
 
 
 # ---- registry and prompt ------------------------------------------------------------------------
@@ -377,9 +427,33 @@ def test_named_tool_and_parallel_calls(ll_tokenizer: llguidance.LLTokenizer) -> 
     named = {"type": "function", "function": {"name": "now"}}
     assert grammar_accepts(ll_tokenizer, named, NOW_CALL)
     assert not grammar_accepts(ll_tokenizer, named, WEATHER_CALL)
-    assert grammar_accepts(ll_tokenizer, named, f"{NOW_CALL}\n{NOW_CALL}")
+    # A named tool is called exactly once (OpenAI's behaviour), parallel calls or not.
+    assert not grammar_accepts(ll_tokenizer, named, f"{NOW_CALL}\n{NOW_CALL}")
     assert not grammar_accepts(ll_tokenizer, named, f"{NOW_CALL}\n{NOW_CALL}", parallel=False)
+    assert grammar_accepts(ll_tokenizer, "required", f"{NOW_CALL}\n{WEATHER_CALL}")
     assert grammar_accepts(ll_tokenizer, "required", WEATHER_CALL, parallel=False)
+    assert not grammar_accepts(ll_tokenizer, "required", f"{NOW_CALL}\n{WEATHER_CALL}", parallel=False)
+
+
+def test_listed_arguments_are_all_a_call_takes_unless_the_schema_opens_them(
+    ll_tokenizer: llguidance.LLTokenizer,
+) -> None:
+    def accepts(parameters: dict[str, Any], arguments: str) -> bool:
+        tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+        spec = tool_call_grammar(tools, "required", False)
+        assert spec is not None
+        matcher = llguidance.LLMatcher(ll_tokenizer, compile_grammar(spec), log_level=0)
+        text = block(f'{{"name": "f", "arguments": {arguments}}}')
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    # LangChain's @tool schemas list properties and say nothing of other keys.
+    silent = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    assert accepts(silent, '{"city": "Oslo"}')
+    assert not accepts(silent, '{"city": "Oslo", "country": "NO"}')
+    nested = {"type": "object", "properties": {"place": silent}}
+    assert not accepts(nested, '{"place": {"city": "Oslo", "zip": 1}}')
+    opened = dict(silent, additionalProperties=True)
+    assert accepts(opened, '{"city": "Oslo", "country": "NO"}')
 
 
 def test_tool_choice_without_constraint_or_invalid() -> None:
