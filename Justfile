@@ -34,7 +34,7 @@ serve *ARGS:
 
 # Offline engine throughput benchmark (writes bench_results/).
 bench *ARGS:
-    {{py}} bench/offline_throughput.py {{ARGS}}
+    {{py}} benchmarks/offline_throughput.py {{ARGS}}
 
 ci:
     bash .ci/run
