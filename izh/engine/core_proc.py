@@ -365,7 +365,9 @@ class EngineCoreProc:
             stats = self._make_stats(with_map)
             self._last_stats_time = now
             if with_map and stats is not None:
-                self._last_block_map_time = now
+                # A map taken while idle shows no used blocks: the first busy stats after it carry a
+                # fresh one, so a reader never pairs busy stats with an idle map.
+                self._last_block_map_time = 0.0 if idle else now
         if outputs or stats is not None:
             self._outputs.put(EngineOutputs(outputs=outputs, timestamp=now, stats=stats))
 
