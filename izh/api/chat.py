@@ -98,7 +98,13 @@ async def create_chat_completion(request: Request) -> Response:
         )
     params = chat_sampling_params(state, body, len(prompt.token_ids), constraint)
     children = await admit(
-        state, ctx.id, [prompt.token_ids], [params], priority=body.priority, cache_salt=body.cache_salt
+        state,
+        ctx.id,
+        [prompt.token_ids],
+        [params],
+        prompt_params=["messages"],
+        priority=body.priority,
+        cache_salt=body.cache_salt,
     )
     state.metrics.on_api_request(body.n)
     _log_admitted(request_id, prompt, len(children), constraint, ctx)

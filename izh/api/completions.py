@@ -92,8 +92,8 @@ async def create_completion(request: Request) -> Response:
         await check_constraint(state, constraint)
     structured_outputs = constraint.spec if constraint is not None else None
     params = [
-        completion_sampling_params(state, body, len(prompt.token_ids), i, len(prompts), structured_outputs)
-        for i, prompt in enumerate(prompts)
+        completion_sampling_params(state, body, len(prompt.token_ids), structured_outputs)
+        for prompt in prompts
     ]
     request_id = request_id_of(request)
     options = body.stream_options
@@ -115,6 +115,7 @@ async def create_completion(request: Request) -> Response:
         ctx.id,
         [p.token_ids for p in prompts],
         params,
+        prompt_params=["prompt"] if len(prompts) == 1 else [f"prompt.{i}" for i in range(len(prompts))],
         priority=body.priority,
         cache_salt=body.cache_salt,
     )

@@ -58,12 +58,15 @@ async def admit(
     prompts: list[list[int]],
     params: list[SamplingParams],
     *,
+    prompt_params: list[str],
     priority: int,
     cache_salt: str | None,
 ) -> list[Child]:
     """Add every child request (ids `{base_id}-{i}`) before anything is streamed.
 
-    `params[i]` (with the request's n) goes with `prompts[i]`. If any child is refused
+    `params[i]` (with the request's n) goes with `prompts[i]`, which came from the request field
+    `prompt_params[i]` ("messages", "prompt", "prompt.1"): the input processor validates each child
+    on admission and names that field in its errors. If any child is refused
     (overloaded, context length, ...), the admitted ones are aborted and the refusal propagates,
     so the client gets a real HTTP status.
     """
@@ -76,16 +79,19 @@ async def admit(
         )
     children: list[Child] = []
     try:
-        for prompt_index, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True)):
+        for prompt_index, (prompt, prompt_sampling, field) in enumerate(
+            zip(prompts, params, prompt_params, strict=True)
+        ):
             for sample_index in range(n):
                 index = prompt_index * n + sample_index
                 stream = await state.llm.add_request(
                     f"{base_id}-{index}",
                     prompt,
-                    child_params(prompt_params, sample_index),
+                    child_params(prompt_sampling, sample_index),
                     priority=priority,
                     cache_salt=cache_salt,
                     deadline_s=state.default_request_timeout_s,
+                    prompt_param=field,
                 )
                 children.append(Child(index, prompt_index, sample_index, stream))
     except BaseException:

@@ -1,5 +1,6 @@
 """Sampling params for a request: the request's values, else the model's defaults (generation_config.json),
-else vLLM's; max_tokens resolved against the room the prompt leaves.
+else vLLM's; max_tokens by the API's policy (an explicit value as sent, a default clamped to the room the
+prompt leaves). The params are checked against the model once, by the input processor on admission.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from typing import Any
 from izh.api.constraints import Constraint
 from izh.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from izh.api.state import ApiState
-from izh.errors import ContextLengthExceeded, InvalidRequest
+from izh.errors import InvalidRequest
 from izh.sampling_params import SamplingParams, StructuredOutputsParams
 
 # The generation_config.json keys that are sampling defaults (vLLM's --generation-config auto).
@@ -38,53 +39,32 @@ def resolve_max_tokens(
     *,
     explicit: bool,
     default: int | None,
-    num_prompt_tokens: int,
-    max_model_len: int,
-    param: str,
+    room: int,
     allow_prompt_only: bool = False,
-) -> int:
-    """The max_tokens to run with, or ContextLengthExceeded with the numbers.
+) -> int | None:
+    """The max_tokens to ask for: the API's policy; the context length is checked where the
+    request is validated (`izh.frontend.input_processor`), once.
 
-    A client's explicit max_tokens must fit beside the prompt (OpenAI's behaviour); a default is
-    clamped to the room left instead. An explicit 0 (compute the prompt, generate nothing) is
-    refused unless `allow_prompt_only`; then the prompt alone may fill the context.
+    A client's explicit max_tokens passes as it is (an explicit 0, compute the prompt and generate
+    nothing, only with `allow_prompt_only`). A default (the request field's, else the model's) is
+    clamped to the `room` the prompt leaves; None takes all of it. With no room, None: the input
+    processor refuses the request with the numbers.
     """
-    if explicit and requested is not None and requested < 1:
-        if requested < 0 or not allow_prompt_only:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {requested}", param="max_tokens")
-        if num_prompt_tokens > max_model_len:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {max_model_len} tokens. However, your request "
-                f"has {num_prompt_tokens} input tokens. Please reduce the length of the {param}.",
-                param=param,
-            )
-        return 0
-    room = max_model_len - num_prompt_tokens
-    if room <= 0:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-            f"{num_prompt_tokens} input tokens, which leaves no room for the completion. Please reduce "
-            f"the length of the {param}.",
-            param=param,
-        )
     if explicit and requested is not None:
-        if requested > room:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the {param}, {requested} "
-                f"in the completion). Please reduce the length of the {param} or the completion.",
-                param="max_tokens",
-            )
+        if requested < 0 or (requested == 0 and not allow_prompt_only):
+            raise InvalidRequest(f"max_tokens must be >= 1, got {requested}", param="max_tokens")
         return requested
     value = requested if requested is not None else default
-    return room if value is None else min(value, room)
+    if value is None or room <= 0:
+        return None
+    return min(value, room)
 
 
 def build_sampling_params(
     body: SamplingFields,
     defaults: dict[str, Any],
     *,
-    max_tokens: int,
+    max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None,
     structured_outputs: StructuredOutputsParams | None = None,
@@ -133,11 +113,9 @@ def chat_sampling_params(
         requested,
         explicit=explicit,
         default=state.sampling_defaults.get("max_tokens"),
-        num_prompt_tokens=num_prompt_tokens,
-        max_model_len=state.max_model_len,
-        param="messages",
+        room=state.max_model_len - num_prompt_tokens,
     )
-    params = build_sampling_params(
+    return build_sampling_params(
         body,
         state.sampling_defaults,
         max_tokens=max_tokens,
@@ -145,34 +123,28 @@ def chat_sampling_params(
         prompt_logprobs=body.prompt_logprobs,
         structured_outputs=constraint.spec if constraint is not None else None,
     )
-    params.validate(state.llm.ready.vocab_size)
-    return params
 
 
 def completion_sampling_params(
     state: ApiState,
     body: CompletionRequest,
     num_prompt_tokens: int,
-    index: int,
-    num_prompts: int,
     structured_outputs: StructuredOutputsParams | None,
 ) -> SamplingParams:
-    """The params of prompt `index` of a completion batch (echo with logprobs asks for the prompt's)."""
+    """The params of one prompt of a completion batch (echo with logprobs asks for the prompt's)."""
     max_tokens = resolve_max_tokens(
         body.max_tokens,
         # The field defaults to 16 (OpenAI's legacy default), which clamps rather than refuses.
         explicit="max_tokens" in body.model_fields_set and body.max_tokens is not None,
         default=state.sampling_defaults.get("max_tokens"),
-        num_prompt_tokens=num_prompt_tokens,
-        max_model_len=state.max_model_len,
-        param="prompt" if num_prompts == 1 else f"prompt.{index}",
+        room=state.max_model_len - num_prompt_tokens,
         allow_prompt_only=body.echo,
     )
     prompt_logprobs = body.prompt_logprobs
     if body.echo and body.logprobs is not None:
         # Echoed prompt tokens carry logprobs too: ask the engine for the prompt's.
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
-    params = build_sampling_params(
+    return build_sampling_params(
         body,
         state.sampling_defaults,
         max_tokens=max_tokens,
@@ -180,5 +152,3 @@ def completion_sampling_params(
         prompt_logprobs=prompt_logprobs,
         structured_outputs=structured_outputs,
     )
-    params.validate(state.llm.ready.vocab_size)
-    return params

@@ -160,6 +160,12 @@ def test_context_overflow_says_the_numbers(server: ApiServer) -> None:
         400,
     )
     assert error["code"] == "context_length_exceeded" and str(MAX_MODEL_LEN) in error["message"]
+    assert error["param"] == "messages" and error["message"].endswith("length of the messages.")
+    # A batch names the prompt that does not fit; the one admitted before it is aborted.
+    batch = {"model": MODEL, "prompt": ["Hi", long_text], "max_tokens": 2}
+    error = _error(httpx.post(f"{server.url}/v1/completions", json=batch), 400)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt.1"
+    assert "length of the prompt.1" in error["message"]
     error = _error(
         httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 500}),
         400,

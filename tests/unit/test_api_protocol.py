@@ -37,7 +37,7 @@ from izh.api.protocol import (
     parse_body,
 )
 from izh.api.sampling import build_sampling_params, resolve_max_tokens, sampling_defaults
-from izh.errors import ContextLengthExceeded, InvalidRequest, IzhError, ModelNotFound, PayloadTooLarge
+from izh.errors import InvalidRequest, IzhError, ModelNotFound, PayloadTooLarge
 from izh.guided_spec import compile_grammar, validate_spec
 from izh.parsers.hermes import HermesToolParser
 from izh.parsers.reasoning import ThinkReasoningParser
@@ -258,37 +258,23 @@ def test_bad_sampling_values_name_their_field(field: str, value: Any) -> None:
     assert info.value.param == field
 
 
-def test_max_tokens_fits_the_context_or_says_the_numbers() -> None:
-    common: dict[str, Any] = {"num_prompt_tokens": 90, "max_model_len": 100, "param": "messages"}
-    assert resolve_max_tokens(None, explicit=False, default=None, **common) == 10
-    assert resolve_max_tokens(None, explicit=False, default=4, **common) == 4
-    assert resolve_max_tokens(16, explicit=False, default=None, **common) == 10  # a default clamps
-    assert resolve_max_tokens(10, explicit=True, default=None, **common) == 10
-    with pytest.raises(ContextLengthExceeded) as info:
-        resolve_max_tokens(11, explicit=True, default=None, **common)
-    assert (
-        info.value.code == "context_length_exceeded"
-        and "100" in info.value.message
-        and "101" in info.value.message
-    )
-    with pytest.raises(ContextLengthExceeded, match="100 tokens"):
-        resolve_max_tokens(
-            None, explicit=False, default=None, num_prompt_tokens=100, max_model_len=100, param="prompt"
-        )
+def test_max_tokens_policy_passes_explicit_values_and_clamps_defaults() -> None:
+    # The context length itself is the input processor's check (tests/engine/test_input_processor.py).
+    assert resolve_max_tokens(None, explicit=False, default=None, room=10) is None  # all the room
+    assert resolve_max_tokens(None, explicit=False, default=4, room=10) == 4
+    assert resolve_max_tokens(16, explicit=False, default=None, room=10) == 10  # a default clamps
+    assert resolve_max_tokens(11, explicit=True, default=None, room=10) == 11  # refused on admission
+    # No room: None, which the input processor refuses with the numbers.
+    assert resolve_max_tokens(16, explicit=False, default=4, room=0) is None
     # A count below 1 is not a context problem: it is refused by name.
     for requested in (-1, 0):
         with pytest.raises(InvalidRequest, match="max_tokens must be >= 1") as refused:
-            resolve_max_tokens(requested, explicit=True, default=None, **common)
+            resolve_max_tokens(requested, explicit=True, default=None, room=10)
         assert refused.value.param == "max_tokens"
-    # 0 where the route scores prompts: the prompt alone may fill the context, not overflow it.
-    full = {**common, "num_prompt_tokens": 100}
-    assert resolve_max_tokens(0, explicit=True, default=None, allow_prompt_only=True, **full) == 0
-    with pytest.raises(ContextLengthExceeded):
-        resolve_max_tokens(
-            0, explicit=True, default=None, allow_prompt_only=True, **{**common, "num_prompt_tokens": 101}
-        )
+    # 0 where the route scores prompts; a negative count still is not.
+    assert resolve_max_tokens(0, explicit=True, default=None, room=0, allow_prompt_only=True) == 0
     with pytest.raises(InvalidRequest):
-        resolve_max_tokens(-1, explicit=True, default=None, allow_prompt_only=True, **common)
+        resolve_max_tokens(-1, explicit=True, default=None, room=10, allow_prompt_only=True)
 
 
 def test_izh_error_envelope_has_the_openai_shape() -> None:
