@@ -417,8 +417,9 @@ def chat(
 
         with cli_errors(), contextlib.ExitStack() as stack:
             with stderr_console().status(f"loading {local} (in-process)..."):
-                local_url = stack.enter_context(local_server(local))
-            _run_chat(local_url, model, api_key, system, temperature, max_tokens, prompt)
+                started = stack.enter_context(local_server(local))
+            key = api_key if api_key is not None else started.api_key
+            _run_chat(started.url, model, key, system, temperature, max_tokens, prompt)
         return
     _run_chat(url, model, api_key, system, temperature, max_tokens, prompt)
 

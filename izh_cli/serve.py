@@ -60,12 +60,12 @@ def serve(
             path = resolve_model(
                 settings.model.name, settings.model.cache_dir, download=True, progress=progress
             )
-        engine_config = _default_engine_threads(settings.to_engine_config(str(path)))
+        engine_config = default_engine_threads(settings.to_engine_config(str(path)))
         code = asyncio.run(_serve(settings, engine_config))
     raise typer.Exit(code)
 
 
-def _default_engine_threads(config: EngineConfig) -> EngineConfig:
+def default_engine_threads(config: EngineConfig) -> EngineConfig:
     """Unless set, the core's torch threads are all cores but one on machines with more than 2 cores:
     the API process streams on the spare one. On 2 cores the engine needs both: SmolLM2 served 71 vs
     50 tok/s for one stream and 493 vs 332 at 32 (`izh bench`, 128 + 128 tokens); the API's own cost
@@ -82,24 +82,13 @@ def _default_engine_threads(config: EngineConfig) -> EngineConfig:
 
 
 async def _serve(settings: IzhSettings, engine_config: EngineConfig) -> int:
-    from izh.frontend.async_llm import AsyncLLM
-
     server_settings = settings.server
     console = stderr_console()
     with console.status(f"[bold]loading {engine_config.model}[/] (engine core starting)..."):
-        llm = await AsyncLLM.start(
-            engine_config,
-            core_mode=settings.engine.core_mode,
-            max_requests_in_flight=server_settings.max_requests_in_flight,
-            max_waiting_requests=server_settings.max_waiting_requests,
-            request_timeout_s=server_settings.request_timeout_s,
-            heartbeat_timeout_s=server_settings.engine_heartbeat_timeout_s,
-            max_buffered_outputs=server_settings.max_buffered_outputs,
-            restart_dead_core=server_settings.restart_dead_core,
-        )
+        llm = await start_llm(settings, engine_config)
     server: Any = None
     try:
-        app = _build_app(llm, settings)
+        app = build_server_app(llm, settings)
         server = _make_server(_uvicorn_config(app, settings), app, llm, server_settings.drain_timeout_s)
         ready = llm.ready
         console.print(
@@ -120,7 +109,27 @@ async def _serve(settings: IzhSettings, engine_config: EngineConfig) -> int:
     return 0
 
 
-def _build_app(llm: AsyncLLM, settings: IzhSettings) -> FastAPI:
+async def start_llm(settings: IzhSettings, engine_config: EngineConfig) -> AsyncLLM:
+    """The engine as every izh server starts it (`izh serve`, `izh chat --local`): the [engine]
+    section's core mode and the [server] section's admission, timeout and restart settings."""
+    from izh.frontend.async_llm import AsyncLLM
+
+    s = settings.server
+    return await AsyncLLM.start(
+        engine_config,
+        core_mode=settings.engine.core_mode,
+        max_requests_in_flight=s.max_requests_in_flight,
+        max_waiting_requests=s.max_waiting_requests,
+        request_timeout_s=s.request_timeout_s,
+        heartbeat_timeout_s=s.engine_heartbeat_timeout_s,
+        max_buffered_outputs=s.max_buffered_outputs,
+        restart_dead_core=s.restart_dead_core,
+    )
+
+
+def build_server_app(llm: AsyncLLM, settings: IzhSettings) -> FastAPI:
+    """The API app over a started `llm` as every izh server builds it: the [server], [limits] and
+    [rate_limits] sections."""
     from izh.api.app import build_app
 
     s = settings.server

@@ -257,3 +257,28 @@ def test_chat_local_runs_the_model_in_process(tiny_llama_dir: str, tmp_path: Pat
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()  # the reply, alone on stdout
     assert "Traceback" not in result.stderr
+
+
+def test_chat_local_builds_its_server_from_the_settings_as_serve_does(
+    tiny_llama_dir: str, tmp_path: Path
+) -> None:
+    """[server] keys and [limits] from IZH_* reach the in-process server: it asks for a key (the chat
+    client is given one of them) and refuses a prompt over the configured limit."""
+    env = {
+        **os.environ,
+        "IZH_CACHE_DIR": isolated_cache_dir(tmp_path / "cache"),
+        "IZH_SERVER__API_KEYS": "local-secret",
+        "IZH_LIMITS__MAX_PROMPT_TOKENS": "3",
+    }
+    cmd = [sys.executable, "-m", "izh_cli.main", "chat", "--local", tiny_llama_dir, "-p", "hello there"]
+    result = subprocess.run(
+        [*cmd, "--max-tokens", "2", "--temperature", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    assert result.returncode != 0 and result.stdout == ""
+    assert "max_prompt_tokens" in result.stderr, result.stderr
+    assert "API key" not in result.stderr  # the key was sent: the refusal is the limit's
+    assert "Traceback" not in result.stderr
