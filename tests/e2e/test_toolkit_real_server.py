@@ -179,10 +179,14 @@ def test_inspect_once_sees_a_busy_server(server: str, tmp_path: Path) -> None:
     try:
         _wait_for(lambda: counters(server)["izh:num_requests_running"] > 0, 60, "bench's requests to run")
         # bench's four equal --ignore-eos streams finish on the same step; until its client sends the next
-        # four the server is briefly idle, so a snapshot may fall into that gap: take up to five.
-        for _ in range(5):
+        # four the server is briefly idle, so a snapshot, or one of its two reads (/metrics, then the
+        # stats endpoint's block map), may fall into that gap: take up to ten.
+        for _ in range(10):
             result = izh("inspect", "--url", server, "--once", "--json", "--interval", "0.5")
-            if result.returncode != 0 or json.loads(result.stdout)["running"] >= 1:
+            if result.returncode != 0:
+                break
+            taken = json.loads(result.stdout)
+            if taken["running"] >= 1 and taken["kv_blocks"]["used"] > 0:
                 break
     finally:
         bench.send_signal(signal.SIGINT)  # bench's Ctrl-C: stop and report what was measured
