@@ -58,6 +58,7 @@ __all__ = [
     "compile_grammar",
     "json_compile_options",
     "lark_literal",
+    "lark_opaque_end",
     "spec_key",
     "validate_spec",
 ]
@@ -293,20 +294,14 @@ def _replace_json_blocks(lark: str, rule: str) -> str | None:
     """`lark` with every `%json {...}` replaced by a reference to `rule`; None when it has none (or
     one whose JSON does not parse: llguidance refuses that grammar anyway).
 
-    String literals, regexes, comments and special-token references are skipped, so "%json" inside
-    them is left alone.
+    "%json" inside a string literal, regex, comment or special-token reference is left alone
+    (`lark_opaque_end`).
     """
     pieces: list[str] = []
     copied = position = 0
     while position < len(lark):
-        char = lark[position]
-        if char == '"' or (char == "/" and not lark.startswith("//", position)):
-            position = _lark_literal_end(lark, position)
-        elif char == "#" or lark.startswith("//", position):
-            newline = lark.find("\n", position)
-            position = len(lark) if newline < 0 else newline
-        elif char == "<" and (token := _LARK_TOKEN_REFERENCE.match(lark, position)):
-            position = token.end()
+        if (end := lark_opaque_end(lark, position)) is not None:
+            position = end
         elif lark.startswith("%json", position) and not _LARK_NAME_CHAR.match(lark, position + 5):
             start = position
             position += 5
@@ -325,13 +320,32 @@ def _replace_json_blocks(lark: str, rule: str) -> str | None:
     return "".join(pieces) + lark[copied:]
 
 
+def lark_opaque_end(text: str, position: int) -> int | None:
+    """The index just past the string literal, regex, comment or special-token reference (`<name>`)
+    that starts at `position` in Lark grammar `text`, or None when none starts there.
+
+    The one scanner rule for Lark text: whoever looks for names or directives in a grammar skips
+    these, so a name inside a literal is never taken for one.
+    """
+    char = text[position]
+    if char == '"' or (char == "/" and not text.startswith("//", position)):
+        return _lark_literal_end(text, position)
+    if char == "#" or text.startswith("//", position):
+        newline = text.find("\n", position)
+        return len(text) if newline < 0 else newline
+    if char == "<" and (token := _LARK_TOKEN_REFERENCE.match(text, position)):
+        return token.end()
+    return None
+
+
 def _lark_literal_end(text: str, start: int) -> int:
-    """The index after the string or regex literal opened at `start` (backslash escapes skipped)."""
+    """The index after the string or regex literal opened at `start` (backslash escapes skipped;
+    the end of `text` for one left open)."""
     quote = text[start]
     position = start + 1
     while position < len(text) and text[position] != quote:
         position += 2 if text[position] == "\\" else 1
-    return position + 1
+    return min(position + 1, len(text))
 
 
 def choice_lark(choices: Sequence[str]) -> str:

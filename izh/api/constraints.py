@@ -23,7 +23,13 @@ from izh.api.protocol import (
 )
 from izh.api.state import ApiState
 from izh.errors import InvalidRequest
-from izh.guided_spec import build_ll_tokenizer, json_compile_options, lark_literal, validate_spec
+from izh.guided_spec import (
+    build_ll_tokenizer,
+    json_compile_options,
+    lark_literal,
+    lark_opaque_end,
+    validate_spec,
+)
 from izh.parsers.reasoning import THINK_END
 from izh.parsers.tool_grammar import tool_call_grammar
 from izh.sampling_params import StructuredOutputsParams
@@ -173,7 +179,6 @@ _THINK_RULES = "\n".join(
     ]
 )
 _LARK_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
-_LARK_TOKEN_REFERENCE = re.compile(r"<[^<>\s]+>")
 
 
 def answer_only(constraint: Constraint, *, in_reasoning: bool) -> Constraint:
@@ -211,41 +216,19 @@ def _answer_rules(spec: StructuredOutputsParams) -> str:
 
 def rename_lark_rule(grammar: str, old: str, new: str) -> str:
     """`grammar` with the rule name `old` renamed to `new` wherever it is a name: string literals,
-    regexes, comments and special-token references are left alone."""
+    regexes, comments and special-token references are left alone (`lark_opaque_end`)."""
     out: list[str] = []
     position = 0
     while position < len(grammar):
-        char = grammar[position]
-        if char == '"' or (char == "/" and not grammar.startswith("//", position)):
-            end = _quoted_end(grammar, position)
-        elif char == "#" or grammar.startswith("//", position):
-            newline = grammar.find("\n", position)
-            end = len(grammar) if newline < 0 else newline
-        elif char == "<" and (token := _LARK_TOKEN_REFERENCE.match(grammar, position)):
-            end = token.end()
-        elif (name := _LARK_IDENTIFIER.match(grammar, position)) is not None:
-            out.append(new if name.group() == old else name.group())
-            position = name.end()
-            continue
-        else:
+        if (end := lark_opaque_end(grammar, position)) is None:
+            if (name := _LARK_IDENTIFIER.match(grammar, position)) is not None:
+                out.append(new if name.group() == old else name.group())
+                position = name.end()
+                continue
             end = position + 1
         out.append(grammar[position:end])
         position = end
     return "".join(out)
-
-
-def _quoted_end(text: str, start: int) -> int:
-    """The index after the literal opened by the quote at `start` (backslash escapes skipped)."""
-    quote = text[start]
-    position = start + 1
-    while position < len(text):
-        if text[position] == "\\":
-            position += 2
-        elif text[position] == quote:
-            return position + 1
-        else:
-            position += 1
-    return len(text)
 
 
 async def answer_constraint(
