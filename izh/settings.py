@@ -298,7 +298,9 @@ class ServerSettings(_Section):
         description="On shutdown, seconds to let in-flight requests finish before aborting them.",
     )
     sse_keepalive_s: float = Field(
-        default=10, gt=0, description="Seconds between SSE keep-alive comments on an idle stream."
+        default=10,
+        ge=0,
+        description="Seconds between SSE keep-alive comments on an idle stream; 0 = none.",
     )
     tool_call_parser: str = Field(
         default="auto",

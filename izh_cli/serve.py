@@ -132,24 +132,7 @@ def build_server_app(llm: AsyncLLM, settings: IzhSettings) -> FastAPI:
     [rate_limits] sections."""
     from izh.api.app import build_app
 
-    s = settings.server
-    return build_app(
-        llm,
-        api_keys=sorted(s.api_key_values()),
-        allowed_origins=s.allowed_origins,
-        metrics_require_auth=s.metrics_require_auth,
-        max_body_bytes=s.max_body_bytes,
-        sse_keepalive_s=s.sse_keepalive_s,
-        reasoning_parser=s.reasoning_parser,
-        tool_call_parser=s.tool_call_parser,
-        default_request_timeout_s=s.request_timeout_s,
-        limits=settings.limits,
-        rate_limits=settings.rate_limits,
-        cache_salt_per_key=s.cache_salt_per_key,
-        body_timeout_s=s.body_timeout_s,
-        log_requests=s.log_requests,
-        log_prompts=s.log_prompts,
-    )
+    return build_app(llm, settings.server, limits=settings.limits, rate_limits=settings.rate_limits)
 
 
 def _uvicorn_config(app: FastAPI, settings: IzhSettings) -> uvicorn.Config:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +23,6 @@ import izh
 from izh.api import chat, completions, models, tokenize
 from izh.api.errors import HANDLED_EXCEPTIONS, handle_exception
 from izh.api.guard import (
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_MAX_BODY_BYTES,
     PUBLIC_PATHS,
     GuardPolicy,
     KeyRing,
@@ -39,7 +37,7 @@ from izh.api.sampling import sampling_defaults
 from izh.api.state import ApiState
 from izh.parsers.reasoning import resolve_reasoning_parser
 from izh.parsers.tools import select_tool_parser
-from izh.settings import LimitSettings, RateLimitSettings
+from izh.settings import LimitSettings, RateLimitSettings, ServerSettings
 
 if TYPE_CHECKING:
     from izh.frontend.async_llm import AsyncLLM
@@ -61,35 +59,27 @@ ROUTES: list[tuple[str, Any, list[str]]] = [
 
 def build_app(
     llm: AsyncLLM,
+    server: ServerSettings | None = None,
     *,
-    api_keys: Sequence[str] = (),
-    allowed_origins: Sequence[str] = (),
-    metrics_require_auth: bool = False,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    sse_keepalive_s: float | None = 10.0,
-    reasoning_parser: str = "auto",
-    default_request_timeout_s: float | None = None,
-    tool_call_parser: str = "auto",
     limits: LimitSettings | None = None,
     rate_limits: RateLimitSettings | None = None,
-    cache_salt_per_key: bool = True,
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-    log_requests: bool = True,
-    log_prompts: bool = False,
 ) -> FastAPI:
-    """The OpenAI-compatible app over a started `llm` (the caller starts and shuts it down).
+    """The OpenAI-compatible app over a started `llm` (the caller starts and shuts it down), as the
+    `[server]`, `[limits]` and `[rate_limits]` settings sections say (each defaults to its section's
+    defaults).
 
-    With `api_keys`, every route except /health, /ready, /version (and /metrics unless
-    `metrics_require_auth`) needs one of them; with `cache_salt_per_key` each key also gets its
-    own prefix-cache namespace. `limits` bound each request (default: the `[limits]` defaults, but
+    With `server.api_keys`, every route except /health, /ready, /version (and /metrics unless
+    `metrics_require_auth`) needs one of them; with `cache_salt_per_key` each key also gets its own
+    prefix-cache namespace. `limits` bound each request (default: the `[limits]` defaults, but
     trusting request chat templates, as a library caller vouches for its clients; `izh serve`
     passes the settings). `rate_limits` are per key id (see izh.api.ratelimit). CORS is on only
     with `allowed_origins`. Raises ValueError for an unknown `reasoning_parser` or
     `tool_call_parser`, or two keys with the same id.
     """
+    s = server if server is not None else ServerSettings()
     tokenizer = llm.tokenizer
-    parser = resolve_reasoning_parser(reasoning_parser, tokenizer.chat_template)
-    select_tool_parser(tool_call_parser, tokenizer.chat_template)  # fail fast on an unknown name
+    parser = resolve_reasoning_parser(s.reasoning_parser, tokenizer.chat_template)
+    select_tool_parser(s.tool_call_parser, tokenizer.chat_template)  # fail fast on an unknown name
     engine_ready = llm.ready
     stat_logger = PrometheusStatLogger(
         llm.model_name,
@@ -125,44 +115,44 @@ def build_app(
         llm=llm,
         model_name=llm.model_name,
         max_model_len=engine_ready.max_model_len,
-        max_body_bytes=max_body_bytes,
-        sse_keepalive_s=sse_keepalive_s,
+        max_body_bytes=s.max_body_bytes,
+        sse_keepalive_s=s.sse_keepalive_s or None,
         reasoning_parser=parser,
-        default_request_timeout_s=default_request_timeout_s,
+        default_request_timeout_s=s.request_timeout_s,
         metrics=stat_logger,
         sampling_defaults=sampling_defaults(tokenizer.generation_config),
         created=int(time.time()),
-        tool_call_parser=tool_call_parser,
+        tool_call_parser=s.tool_call_parser,
     )
     app.state.draining = False
     for exc_class in HANDLED_EXCEPTIONS:
         app.add_exception_handler(exc_class, handle_exception)
     for path, endpoint, methods in ROUTES:
         app.add_api_route(path, endpoint, methods=methods)
-    keys = KeyRing(list(api_keys))
+    keys = KeyRing(sorted(s.api_key_values()))
     rate_limiter = build_rate_limiter(rate_limits or RateLimitSettings(), keys)
     policy = GuardPolicy(
         keys=keys,
-        public_paths=PUBLIC_PATHS if metrics_require_auth else PUBLIC_PATHS | {"/metrics"},
-        max_body_bytes=max_body_bytes,
-        body_timeout_s=body_timeout_s,
+        public_paths=PUBLIC_PATHS if s.metrics_require_auth else PUBLIC_PATHS | {"/metrics"},
+        max_body_bytes=s.max_body_bytes,
+        body_timeout_s=s.body_timeout_s,
         limits=RequestLimits(
             limits if limits is not None else LimitSettings(trust_request_chat_template=True),
             max_model_len=engine_ready.max_model_len,
             template_names=frozenset(tokenizer.chat_templates),
         ),
         rate_limiter=rate_limiter,
-        cache_salt_per_key=cache_salt_per_key,
-        request_log=RequestLogger(enabled=log_requests, log_prompts=log_prompts),
+        cache_salt_per_key=s.cache_salt_per_key,
+        request_log=RequestLogger(enabled=s.log_requests, log_prompts=s.log_prompts),
         default_max_tokens=app.state.izh.sampling_defaults.get("max_tokens", engine_ready.max_model_len),
     )
     app.state.guard = policy
     app.add_middleware(RequestGuardMiddleware, policy=policy)
-    if allowed_origins:
+    if s.allowed_origins:
         # Added last, so it runs first: preflights and 401s get their CORS headers too.
         app.add_middleware(
             CORSMiddleware,
-            allow_origins=list(allowed_origins),
+            allow_origins=list(s.allowed_origins),
             allow_methods=["*"],
             allow_headers=["*"],
             expose_headers=["X-Request-Id"],

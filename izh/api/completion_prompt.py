@@ -1,5 +1,8 @@
-"""Completion prompts: a string, token ids, or a batch of either, tokenized (off the event loop) and
-checked.
+"""Completion prompts: a string, token ids, or a batch of either, tokenized (off the event loop).
+
+The prompts are checked once, on admission (izh.frontend.input_processor); the echo of a token-id
+prompt is decoded only after that (`decode_echoes`), so an out-of-range id never reaches the
+tokenizer.
 """
 
 from __future__ import annotations
@@ -9,16 +12,15 @@ from dataclasses import dataclass
 
 from izh.api.protocol import CompletionPrompt
 from izh.errors import InvalidRequest
-from izh.frontend.input_processor import check_prompt_token_ids
 from izh.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
 class Prompt:
-    """One prompt of the batch: its token ids, and its text when echo needs it."""
+    """One prompt of the batch: its token ids, and its text (None: token ids not decoded yet)."""
 
     token_ids: list[int]
-    text: str = ""
+    text: str | None = ""
 
 
 def split_prompts(prompt: CompletionPrompt) -> list[str | list[int]]:
@@ -33,24 +35,32 @@ def split_prompts(prompt: CompletionPrompt) -> list[str | list[int]]:
 
 
 def _encode_prompts(
-    tokenizer: Tokenizer, prompts: list[str | list[int]], add_special_tokens: bool, echo: bool
+    tokenizer: Tokenizer, prompts: list[str | list[int]], add_special_tokens: bool
 ) -> list[Prompt]:
-    result = []
-    for item in prompts:
-        if isinstance(item, str):
-            result.append(Prompt(tokenizer.encode(item, add_special_tokens=add_special_tokens), item))
-        else:
-            result.append(Prompt(item, tokenizer.decode(item) if echo else ""))
-    return result
+    return [
+        Prompt(tokenizer.encode(item, add_special_tokens=add_special_tokens), item)
+        if isinstance(item, str)
+        else Prompt(item, None)
+        for item in prompts
+    ]
 
 
 async def encode_prompts(
-    tokenizer: Tokenizer, prompt: CompletionPrompt, *, add_special_tokens: bool, echo: bool, vocab_size: int
+    tokenizer: Tokenizer, prompt: CompletionPrompt, *, add_special_tokens: bool
 ) -> list[Prompt]:
-    """Tokenize (off the event loop) and check every prompt of the batch."""
+    """Tokenize every prompt of the batch (off the event loop); token-id prompts stay undecoded."""
     items = split_prompts(prompt)
-    prompts = await asyncio.to_thread(_encode_prompts, tokenizer, items, add_special_tokens, echo)
-    for i, item in enumerate(prompts):
-        param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
-        check_prompt_token_ids(item.token_ids, vocab_size, param)
-    return prompts
+    return await asyncio.to_thread(_encode_prompts, tokenizer, items, add_special_tokens)
+
+
+def _decode(tokenizer: Tokenizer, prompts: list[Prompt]) -> None:
+    for prompt in prompts:
+        if prompt.text is None:
+            prompt.text = tokenizer.decode(prompt.token_ids)
+
+
+async def decode_echoes(tokenizer: Tokenizer, prompts: list[Prompt]) -> None:
+    """Fill in the text of token-id prompts, for echo (off the event loop); call after admission,
+    which has checked every id against the vocabulary."""
+    if any(prompt.text is None for prompt in prompts):
+        await asyncio.to_thread(_decode, tokenizer, prompts)

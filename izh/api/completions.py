@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from izh.api.completion_prompt import Prompt, encode_prompts
+from izh.api.completion_prompt import Prompt, decode_echoes, encode_prompts
 from izh.api.constraints import check_constraint, requested_constraints, single_constraint
 from izh.api.fanout import Child, UsageCounter, admit, merge_outputs, respond
 from izh.api.logprobs import append_completion_logprobs, prompt_logprobs_json
@@ -80,14 +80,7 @@ async def create_completion(request: Request) -> Response:
     check_completion_request(body)
     constraint = single_constraint(requested_constraints(body))
     llm = state.llm
-    vocab_size = llm.ready.vocab_size
-    prompts = await encode_prompts(
-        llm.tokenizer,
-        body.prompt,
-        add_special_tokens=body.add_special_tokens,
-        echo=body.echo,
-        vocab_size=vocab_size,
-    )
+    prompts = await encode_prompts(llm.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens)
     if constraint is not None:
         await check_constraint(state, constraint)
     structured_outputs = constraint.spec if constraint is not None else None
@@ -119,6 +112,8 @@ async def create_completion(request: Request) -> Response:
         priority=body.priority,
         cache_salt=body.cache_salt,
     )
+    if body.echo:
+        await decode_echoes(llm.tokenizer, prompts)
     logger.debug("[%s] completion: %d prompts, %d choices", request_id, len(prompts), len(children))
     return await respond(
         request,
@@ -145,7 +140,7 @@ def _piece(ctx: CompletionContext, child: Child, out: RequestOutput) -> tuple[st
     first = child.index not in ctx.started
     ctx.started.add(child.index)
     if first and ctx.echo:
-        text = ctx.prompts[child.prompt_index].text + text
+        text = (ctx.prompts[child.prompt_index].text or "") + text
         if logprobs is not None and out.prompt_logprobs is not None:
             offset = append_completion_logprobs(
                 logprobs, out.prompt_logprobs, ctx.logprobs or 0, offset, _first_token_strs(ctx, child)

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from izh.api.app import build_app
 from izh.config import EngineConfig
 from izh.frontend.async_llm import AsyncLLM
+from izh.settings import LimitSettings, RateLimitSettings, ServerSettings
 
 START_TIMEOUT_S = 240.0
 
@@ -24,11 +25,19 @@ class ApiServer:
     """One server: `url` once started; `call` runs a function on the server's event loop."""
 
     def __init__(
-        self, config: EngineConfig, *, start_kwargs: dict[str, Any], app_kwargs: dict[str, Any]
+        self,
+        config: EngineConfig,
+        *,
+        start_kwargs: dict[str, Any],
+        server: ServerSettings,
+        limits: LimitSettings | None = None,
+        rate_limits: RateLimitSettings | None = None,
     ) -> None:
         self.config = config
         self.start_kwargs = start_kwargs
-        self.app_kwargs = app_kwargs
+        self.server_settings = server
+        self.limits = limits
+        self.rate_limits = rate_limits
         self.url = ""
         self.app: FastAPI | None = None
         self.llm: AsyncLLM | None = None
@@ -72,7 +81,9 @@ class ApiServer:
         self._loop = asyncio.get_running_loop()
         self.llm = await AsyncLLM.start(self.config, **self.start_kwargs)
         try:
-            self.app = build_app(self.llm, **self.app_kwargs)
+            self.app = build_app(
+                self.llm, self.server_settings, limits=self.limits, rate_limits=self.rate_limits
+            )
             # Bound and listening before uvicorn runs: clients may connect as soon as `url` is known.
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -90,11 +101,23 @@ class ApiServer:
 
 @contextmanager
 def api_server(
-    config: EngineConfig, *, start_kwargs: dict[str, Any] | None = None, **app_kwargs: Any
+    config: EngineConfig,
+    *,
+    start_kwargs: dict[str, Any] | None = None,
+    limits: LimitSettings | None = None,
+    rate_limits: RateLimitSettings | None = None,
+    **server_settings: Any,
 ) -> Iterator[ApiServer]:
-    """A started server over `config` (AsyncLLM.start(**start_kwargs), build_app(**app_kwargs))."""
+    """A started server over `config`: AsyncLLM.start(**start_kwargs), then build_app with
+    ServerSettings(**server_settings) and the `[limits]` / `[rate_limits]` sections given."""
     kwargs = {"core_mode": "thread", **(start_kwargs or {})}
-    server = ApiServer(config, start_kwargs=kwargs, app_kwargs=app_kwargs)
+    server = ApiServer(
+        config,
+        start_kwargs=kwargs,
+        server=ServerSettings(**server_settings),
+        limits=limits,
+        rate_limits=rate_limits,
+    )
     server.start()
     try:
         yield server

@@ -249,3 +249,26 @@ def test_cors_only_for_allowed_origins(secured: ApiServer, server: ApiServer) ->
     # Without allowed_origins there is no CORS at all.
     plain = httpx.get(f"{server.url}/health", headers={"Origin": ORIGIN})
     assert "access-control-allow-origin" not in plain.headers
+
+
+def test_out_of_range_token_ids_are_a_400_naming_the_prompt_even_with_echo(server: ApiServer) -> None:
+    """Token-id prompts are checked once, on admission, before echo decodes them."""
+    vocab_size = server.llm.ready.vocab_size  # type: ignore[union-attr]
+    for echo in (False, True):
+        batch = {"model": MODEL, "prompt": [[1, 2], [3, vocab_size]], "max_tokens": 1, "echo": echo}
+        error = _error(httpx.post(f"{server.url}/v1/completions", json=batch), 400)
+        assert error["param"] == "prompt.1"
+        assert f"token id {vocab_size} is out of range [0, {vocab_size})" in error["message"]
+        single = {"model": MODEL, "prompt": [-1, 2], "max_tokens": 1, "echo": echo}
+        error = _error(httpx.post(f"{server.url}/v1/completions", json=single), 400)
+        assert error["param"] == "prompt" and "token id -1" in error["message"]
+    # In range, echo returns the decoded prompt in front of the completion.
+    reply = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": MODEL, "prompt": [[5, 6]], "max_tokens": 1, "echo": True},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    decoded = server.llm.tokenizer.decode([5, 6])  # type: ignore[union-attr]
+    assert reply.json()["choices"][0]["text"].startswith(decoded)
+    _assert_healthy(server)

@@ -33,7 +33,7 @@ def server(tiny_llama_dir: str) -> Iterator[ApiServer]:
     )
     # Small limits keep every generated request cheap (and exercise the limits on the way).
     limits = LimitSettings(max_output_tokens=4, max_n=2, max_messages=4, max_prompts=2, max_tools=2)
-    with api_server(config, limits=limits, sse_keepalive_s=None) as started:
+    with api_server(config, limits=limits, sse_keepalive_s=0) as started:
         yield started
 
 

@@ -84,7 +84,7 @@ def fake(fake_model_dir: Path) -> Iterator[ApiServer]:
         api_keys=[KEY_A, KEY_B, KEY_C],
         rate_limits=rate_limits,
         log_prompts=True,
-        sse_keepalive_s=None,
+        sse_keepalive_s=0,
     ) as started:
         yield started
 
