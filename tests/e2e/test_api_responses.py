@@ -210,6 +210,7 @@ def test_the_stream_is_openais_typed_event_sequence(server: ApiServer, client: o
     assert events[0].response.status == "in_progress" and events[0].response.output == []
     assert final.id == events[0].response.id and _text(final) == deltas
     assert final.output[0].id == done.item_id == events[2].item.id
+    assert _text(client.responses.retrieve(final.id)) == deltas  # a streamed response is stored too
     collected = client.responses.create(**body)
     assert _text(collected) == deltas
     assert collected.usage is not None and final.usage is not None
@@ -563,3 +564,52 @@ def test_thinking_is_a_reasoning_item(thinking_server: ApiServer) -> None:
     assert done.text == deltas == item.content[0].text
     (part,) = [event for event in events if event.type == "response.content_part.added"]
     assert part.part.type == "reasoning_text"
+
+
+# --- the real model ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_tool_round_trip(smollm2_gguf: str) -> None:
+    city_tool = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    }
+    config = EngineConfig(
+        model=smollm2_gguf,
+        served_model_name=MODEL,
+        device="cpu",
+        max_model_len=2048,
+        kv_cache_memory_bytes=1 << 27,
+    )
+    with api_server(config) as started, _client(started, "unused") as client:
+        first = client.responses.create(
+            model=MODEL,
+            input="What is the weather in Paris?",
+            tools=[city_tool],  # type: ignore[list-item]
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_output_tokens=64,
+            temperature=0,
+        )
+        (call,) = first.output
+        assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Paris"}
+        answer = client.responses.create(
+            model=MODEL,
+            previous_response_id=first.id,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}],
+            tools=[city_tool],  # type: ignore[list-item]
+            max_output_tokens=64,
+            temperature=0,
+        )
+    # The model ends its turn on its own, with the tool's result in its answer.
+    assert answer.status == "completed" and answer.output[-1].type == "message"
+    assert "sunny" in answer.output_text

@@ -17,7 +17,7 @@ from izh.api.responses_items import items_to_messages, normalize_input
 from izh.api.responses_protocol import ResponseObject
 from izh.api.responses_store import ResponseStore, StoredResponse
 from izh.api.responses_stream import OutputBuilder, ResponseContext
-from izh.errors import InvalidRequest
+from izh.errors import EngineDead, InvalidRequest
 from izh.frontend.output_processor import RequestOutput
 from izh.parsers.hermes import HermesToolParser
 
@@ -229,6 +229,24 @@ def test_cut_off_output_is_incomplete() -> None:
     response = builder.finish(usage)
     assert response.status == "incomplete" and response.incomplete_details is not None
     assert response.output[0].status == "incomplete"
+
+
+def test_an_engine_failure_is_a_failed_response() -> None:
+    final: list[ResponseObject] = []
+    builder = OutputBuilder(_context(final), emit=True)
+    builder.start()
+    usage = UsageCounter()
+    (out,) = _outputs(["partial"])
+    out.finished, out.finish_reason = False, None
+    usage.add(_Child(), out)  # type: ignore[arg-type]
+    builder.feed(out)
+    response = builder.finish(usage, EngineDead("the engine core is dead: killed"))
+    assert final == [response]
+    assert response.status == "failed" and response.error is not None
+    assert response.error.code == "server_error" and "killed" in response.error.message
+    last = builder.take_events().decode().rstrip("\n").split("\n\n")[-1]
+    event = EVENTS.validate_python(json.loads(last.split("\n")[1].removeprefix("data: ")))
+    assert event.type == "response.failed" and event.response.output[0].status == "incomplete"
 
 
 # --- the store -----------------------------------------------------------------------------------------------
