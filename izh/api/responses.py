@@ -11,7 +11,8 @@ items and events with chat's parsers. A refusal from chat's machinery names the 
 
 Fields izh cannot honour (background, conversation, prompt, built-in tools, reasoning effort or
 summaries, truncation "auto", include values other than message.output_text.logprobs, ...) are 400s
-naming the field. Stored responses (izh.api.responses_store) belong to the API key that made them.
+naming the field. Logprobs come with `include: ["message.output_text.logprobs"]` or a `top_logprobs`
+(either asks for them). Stored responses (izh.api.responses_store) belong to the API key that made them.
 """
 
 from __future__ import annotations
@@ -321,11 +322,6 @@ async def create_response(request: Request) -> Response:
     chat_body = _chat_request(body, messages, tools, fmt)
     request_id = request_id_of(request)
     response_id = f"resp_{secrets.token_hex(24)}"
-    try:
-        chat = await prepare_chat(state, chat_body, request_id, response_id, prompt_param="input")
-    except InvalidRequest as exc:
-        raise _renamed(exc) from None
-    state.metrics.on_api_request(1, "/v1/responses")
     defaults = state.sampling_defaults
     base = ResponseObject(
         id=response_id,
@@ -348,6 +344,12 @@ async def create_response(request: Request) -> Response:
         prompt_cache_key=body.prompt_cache_key,
         metadata=body.metadata or {},
     )
+    # Admitted last: nothing after it can refuse the request and leave its engine request behind.
+    try:
+        chat = await prepare_chat(state, chat_body, request_id, response_id, prompt_param="input")
+    except InvalidRequest as exc:
+        raise _renamed(exc) from None
+    state.metrics.on_api_request(1, "/v1/responses")
     key_id = _key_id()
 
     def store(response: ResponseObject) -> None:
