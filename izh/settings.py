@@ -332,6 +332,12 @@ class ServerSettings(_Section):
         description="When the engine core dies or hangs, start a new one (in-flight requests fail, new "
         "ones wait for it) instead of exiting with status 1 for a supervisor to restart the server.",
     )
+    responses_store_max: int = Field(
+        default=1024,
+        ge=0,
+        description="Responses kept for previous_response_id and GET /v1/responses/{id} (in memory, "
+        "least recently used evicted first; 0 stores none).",
+    )
     cache_salt_per_key: bool = Field(
         default=True,
         description="With API keys, give each key its own prefix cache namespace, so that no tenant can "

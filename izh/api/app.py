@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 import izh
-from izh.api import chat, completions, models, tokenize
+from izh.api import chat, completions, models, responses, tokenize
 from izh.api.errors import HANDLED_EXCEPTIONS, handle_exception
 from izh.api.guard import (
     PUBLIC_PATHS,
@@ -33,6 +33,7 @@ from izh.api.limits import RequestLimits
 from izh.api.metrics import PrometheusStatLogger
 from izh.api.ops import OPS_ROUTES, openapi_schema
 from izh.api.request_log import RequestLogger
+from izh.api.responses_store import ResponseStore
 from izh.api.sampling import sampling_defaults
 from izh.api.state import ApiState
 from izh.parsers.reasoning import resolve_reasoning_parser
@@ -47,6 +48,10 @@ logger = logging.getLogger(__name__)
 ROUTES: list[tuple[str, Any, list[str]]] = [
     ("/v1/chat/completions", chat.create_chat_completion, ["POST"]),
     ("/v1/completions", completions.create_completion, ["POST"]),
+    ("/v1/responses", responses.create_response, ["POST"]),
+    ("/v1/responses/{response_id}", responses.retrieve_response, ["GET"]),
+    ("/v1/responses/{response_id}", responses.delete_response, ["DELETE"]),
+    ("/v1/responses/{response_id}/input_items", responses.list_input_items, ["GET"]),
     ("/v1/models", models.list_models, ["GET"]),
     ("/v1/models/{model_id:path}", models.retrieve_model, ["GET"]),
     ("/tokenize", tokenize.tokenize, ["POST"]),
@@ -73,8 +78,9 @@ def build_app(
     prefix-cache namespace. `limits` bound each request (default: the `[limits]` defaults, but
     trusting request chat templates, as a library caller vouches for its clients; `izh serve`
     passes the settings). `rate_limits` are per key id (see izh.api.ratelimit). CORS is on only
-    with `allowed_origins`. Raises ValueError for an unknown `reasoning_parser` or
-    `tool_call_parser`, or two keys with the same id.
+    with `allowed_origins`. `server.responses_store_max` bounds the stored responses of /v1/responses
+    (least recently used evicted). Raises ValueError for an unknown `reasoning_parser` or `tool_call_parser`,
+    or two keys with the same id.
     """
     s = server if server is not None else ServerSettings()
     tokenizer = llm.tokenizer
@@ -123,6 +129,7 @@ def build_app(
         sampling_defaults=sampling_defaults(tokenizer.generation_config),
         created=int(time.time()),
         tool_call_parser=s.tool_call_parser,
+        responses_store=ResponseStore(s.responses_store_max),
     )
     app.state.draining = False
     for exc_class in HANDLED_EXCEPTIONS:

@@ -16,12 +16,16 @@ as a Hermes system prompt instead, and the tool calls and tool results of the hi
 text. Output constraints (response_format, structured_outputs, guided_*, forced tool calls) apply
 to the answer only when a reasoning parser is active: the think block before it stays free (see
 constraints.answer_only).
+
+`prepare_chat` (template, constraints, sampling params, admission) is shared with the Responses
+route (izh.api.responses), which maps its body onto a chat request.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -38,7 +42,7 @@ from izh.api.constraints import (
     single_constraint,
     tool_call_constraint,
 )
-from izh.api.fanout import admit, respond
+from izh.api.fanout import Child, admit, respond
 from izh.api.protocol import ChatCompletionRequest
 from izh.api.sampling import chat_sampling_params
 from izh.api.state import ApiState, api_state, check_model, check_serving, read_json, request_id_of
@@ -66,6 +70,43 @@ async def create_chat_completion(request: Request) -> Response:
     check_serving(request)
     body = await read_json(request, ChatCompletionRequest)
     check_model(state, body.model)
+    request_id = request_id_of(request)
+    chat = await prepare_chat(state, body, request_id, f"chatcmpl-{request_id}")
+    state.metrics.on_api_request(body.n, "/v1/chat/completions")
+    ctx, children = chat.ctx, chat.children
+    return await respond(
+        request,
+        children,
+        stream=body.stream,
+        events=lambda: chat_events(ctx, children),
+        collect=lambda: collect_chat_completion(ctx, children),
+        keepalive_s=state.sse_keepalive_s,
+        request_id=request_id,
+    )
+
+
+@dataclass(slots=True)
+class PreparedChat:
+    """A chat request rendered, constrained and admitted: what streaming or collecting it needs."""
+
+    ctx: ChatContext
+    prompt: ChatPrompt
+    children: list[Child]
+
+
+async def prepare_chat(
+    state: ApiState,
+    body: ChatCompletionRequest,
+    request_id: str,
+    response_id: str,
+    prompt_param: str = "messages",
+) -> PreparedChat:
+    """Everything before the first byte: the template, tools and constraints, the sampling params and
+    the admission of every child (ids `{response_id}-{i}`), each of which can refuse the request.
+
+    The chat route's, and the Responses route's on the chat request its body maps to; the input
+    processor names `prompt_param` in its refusals (context length).
+    """
     check_chat_request(body)
     tool_choice = effective_tool_choice(body)
     tools_on = bool(body.tools) and tool_choice != "none"
@@ -83,8 +124,7 @@ async def create_chat_completion(request: Request) -> Response:
         chat_template_kwargs=body.chat_template_kwargs,
         add_special_tokens=body.add_special_tokens,
     )
-    request_id = request_id_of(request)
-    ctx = _context(state, body, prompt.text, request_id)
+    ctx = _context(state, body, prompt.text, response_id)
     ctx.tool_parser = chat_tool_parser(state, tool_choice, tools_on, prompt)
     ctx.forced_tool_calls = tool_constraint is not None
     ctx.max_tool_calls = 1 if body.parallel_tool_calls is False else None
@@ -102,30 +142,21 @@ async def create_chat_completion(request: Request) -> Response:
         ctx.id,
         [prompt.token_ids],
         [params],
-        prompt_params=["messages"],
+        prompt_params=[prompt_param],
         priority=body.priority,
         cache_salt=body.cache_salt,
     )
-    state.metrics.on_api_request(body.n)
     _log_admitted(request_id, prompt, len(children), constraint, ctx)
-    return await respond(
-        request,
-        children,
-        stream=body.stream,
-        events=lambda: chat_events(ctx, children),
-        collect=lambda: collect_chat_completion(ctx, children),
-        keepalive_s=state.sse_keepalive_s,
-        request_id=request_id,
-    )
+    return PreparedChat(ctx, prompt, children)
 
 
-def _context(state: ApiState, body: ChatCompletionRequest, prompt_text: str, request_id: str) -> ChatContext:
+def _context(state: ApiState, body: ChatCompletionRequest, prompt_text: str, response_id: str) -> ChatContext:
     last = body.messages[-1]
     # vLLM's chat echo: repeat the final message when it is the assistant's, being continued.
     echo_text = message_text(last, len(body.messages) - 1) if body.echo and last.role == "assistant" else None
     options = body.stream_options
     return ChatContext(
-        id=f"chatcmpl-{request_id}",
+        id=response_id,
         created=int(time.time()),
         model=state.model_name,
         parser_name=state.reasoning_parser,

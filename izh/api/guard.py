@@ -47,6 +47,7 @@ from izh.api.ratelimit import (
     estimate_request_tokens,
 )
 from izh.api.request_log import RequestLogger, RequestRecord
+from izh.api.responses_protocol import ResponsesRequest
 from izh.errors import InvalidRequest, IzhError, PayloadTooLarge, RequestTimeout, Unauthorized
 from izh.frontend.async_llm import REQUEST_SCOPE, RequestScope
 from izh.settings import LimitSettings, RateLimitSettings
@@ -57,11 +58,12 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/version"})
 """Open without an API key (and /metrics unless metrics_require_auth); every other path needs one."""
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 """The routes that run the model: rate-limited, and where a RequestScope collects usage."""
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }

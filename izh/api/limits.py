@@ -107,6 +107,7 @@ class RequestLimits:
         return {
             "/v1/chat/completions": self.check_chat,
             "/v1/completions": self.check_completion,
+            "/v1/responses": self.check_responses,
             "/tokenize": self.check_tokenize,
             "/detokenize": self.check_detokenize,
         }.get(path)
@@ -128,6 +129,27 @@ class RequestLimits:
             self._count("prompt", prompt, self.settings.max_prompts, "max_prompts", "prompts")
         self._check_sampling(body)
         self._at_most("logprobs", body.get("logprobs"), self.settings.max_top_logprobs, "max_top_logprobs")
+
+    def check_responses(self, body: dict[str, Any]) -> None:
+        """The Responses API's fields under chat's limits: input items count as messages."""
+        s = self.settings
+        items = body.get("input")
+        if isinstance(items, list):
+            self._count("input", items, s.max_messages, "max_messages", "input items")
+        if s.max_output_tokens is not None:
+            self._at_most(
+                "max_output_tokens", body.get("max_output_tokens"), s.max_output_tokens, "max_output_tokens"
+            )
+        self._at_most("top_logprobs", body.get("top_logprobs"), s.max_top_logprobs, "max_top_logprobs")
+        tools = body.get("tools")
+        if isinstance(tools, list):
+            self._count("tools", tools, s.max_tools, "max_tools", "tools")
+            for index, tool in enumerate(tools):
+                if isinstance(tool, dict):
+                    self._check_schema(f"tools.{index}.parameters", tool.get("parameters"))
+        text = body.get("text")
+        if isinstance(text, dict) and isinstance(text.get("format"), dict):
+            self._check_schema("text.format", text["format"].get("schema"))
 
     def check_tokenize(self, body: dict[str, Any]) -> None:
         self._check_messages(body)

@@ -161,6 +161,13 @@ class PrometheusStatLogger:
         self.request_params_n = self._histogram(
             "izh:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
         )
+        # izh's own (vLLM has none): admitted generation requests by route.
+        self.api_requests = Counter(
+            "izh:api_requests",
+            "Count of admitted generation requests by API endpoint.",
+            [*LABELS, "endpoint"],
+            registry=self.registry,
+        )
         self.request_params_max_tokens = self._histogram(
             "izh:request_params_max_tokens", "Histogram of the max_tokens request parameter.", size_buckets
         )
@@ -201,12 +208,13 @@ class PrometheusStatLogger:
         )
         info.labels(*self._labels, *(str(cache_config[name]) for name in names)).set(1)
 
-    def on_api_request(self, n: int) -> None:
-        """One chat or completions request asking for `n` samples per prompt.
+    def on_api_request(self, n: int, endpoint: str) -> None:
+        """One admitted generation request to `endpoint` (its path) asking for `n` samples per prompt.
 
         Observed here, not per finished request: the engine only sees the n = 1 children.
         """
         self.request_params_n.observe(n)
+        self.api_requests.labels(*self._labels, endpoint).inc()
 
     # --- the StatLogger protocol -------------------------------------------------------------------
 

@@ -179,7 +179,7 @@ def _limits_anything(limit: KeyRateLimit) -> bool:
 
 
 def estimate_request_tokens(body: Any, *, default_max_tokens: int, max_model_len: int) -> int:
-    """What a chat or completion body may cost, before tokenization (see the module docstring).
+    """What a chat, completion or responses body may cost, before tokenization (see the module docstring).
 
     `default_max_tokens` stands in when the body sets none. Tolerates any JSON: a body the route
     will refuse anyway is estimated as cheaply as possible.
@@ -200,7 +200,7 @@ def estimate_request_tokens(body: Any, *, default_max_tokens: int, max_model_len
 
 def _requested_max_tokens(body: dict[str, Any]) -> int | None:
     """The request's output budget; 0 (a prompt scored with echo) reserves no output tokens."""
-    for name in ("max_completion_tokens", "max_tokens"):
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
@@ -212,6 +212,8 @@ def _prompt_token_estimates(body: dict[str, Any]) -> list[int]:
     messages = body.get("messages")
     if isinstance(messages, list):
         return [_text_tokens(sum(_chars(message) for message in messages))]
+    if "input" in body:  # /v1/responses: the input items and the instructions
+        return [_text_tokens(_chars(body.get("input")) + _chars(body.get("instructions")))]
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return [_text_tokens(len(prompt))]

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from izh.api.protocol import RequestModel, parse_body
+from izh.api.responses_store import ResponseStore
 from izh.errors import EngineDead, ModelNotFound, Overloaded
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ class ApiState:
     ll_tokenizer: LLTokenizer | None = None
     """llguidance's view of the tokenizer, built on the first structured request (by constraints)."""
     ll_tokenizer_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    responses_store: ResponseStore = field(default_factory=ResponseStore)
+    """The stored responses of /v1/responses (`store: true`), bounded by server.responses_store_max."""
 
 
 def api_state(request: Request) -> ApiState:

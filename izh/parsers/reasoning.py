@@ -57,6 +57,11 @@ class ThinkReasoningParser:
     def in_reasoning(self) -> bool:
         return self._state in (_State.PREAMBLE, _State.REASONING)
 
+    @property
+    def thinking(self) -> bool:
+        """Inside a think block (its start tag seen, or opened by the prompt), not yet closed."""
+        return self._state is _State.REASONING
+
     def feed(self, text: str) -> ReasoningDelta:
         """Parse the next piece of output; text that may be part of a tag is held for the next call."""
         out = ReasoningDelta()

@@ -1,4 +1,5 @@
-"""instructor, LangChain and pydantic-ai against a real `izh serve` of the default model.
+"""instructor, LangChain and pydantic-ai against a real `izh serve` of the default model, over chat
+completions and (LangChain's use_responses_api, pydantic-ai's OpenAIResponsesModel) the Responses API.
 
 Each library drives the OpenAI wire format its own way (instructor's named tool_choice and bare
 json_schema, LangChain's bind_tools / with_structured_output, pydantic-ai's tool_choice "required" and
@@ -148,4 +149,59 @@ def test_pydantic_ai_agent_calls_its_tool_and_answers(server: RealServer) -> Non
     responses = [m for m in result.all_messages() if isinstance(m, ModelResponse)]
     calling = [r for r in responses if any(isinstance(p, ToolCallPart) for p in r.parts)]
     assert calling and all(r.finish_reason == "tool_call" for r in calling), calling
+    assert responses[-1].finish_reason == "stop", responses[-1]
+
+
+# --- over the Responses API ------------------------------------------------------------------------------
+
+
+def test_langchain_over_the_responses_api(server: RealServer) -> None:
+    from langchain_core.messages import AIMessage
+    from langchain_openai import ChatOpenAI
+
+    model = ChatOpenAI(
+        base_url=server.base_url,
+        api_key=SecretStr(API_KEY),
+        model=server.model,
+        max_completion_tokens=MAX_TOKENS,
+        temperature=0,
+        max_retries=0,
+        timeout=300,
+        use_responses_api=True,
+    )
+    answer = model.invoke("Say hello.")
+    assert isinstance(answer, AIMessage) and answer.text.strip()
+    assert "".join(chunk.text for chunk in model.stream("Say hello.")).strip()
+    assert isinstance(model.with_structured_output(User, method="json_schema").invoke(PROMPT), User)
+
+
+def test_pydantic_ai_responses_agent_calls_its_tool_and_answers(server: RealServer) -> None:
+    from pydantic_ai import Agent, RunContext
+    from pydantic_ai.messages import ModelResponse, ToolCallPart
+    from pydantic_ai.models.openai import OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.settings import ModelSettings
+
+    provider = OpenAIProvider(base_url=server.base_url, api_key=API_KEY)
+    model = OpenAIResponsesModel(server.model, provider=provider)
+
+    def settings(ctx: RunContext[None]) -> ModelSettings:
+        # As over chat: force the tool on the first step, then let it answer in text.
+        tool_choice: Any = "required" if ctx.run_step <= 1 else "none"
+        return {"max_tokens": MAX_TOKENS, "temperature": 0.0, "tool_choice": tool_choice}
+
+    agent = Agent(model, model_settings=settings, instructions="Answer with the weather tool's result.")
+    cities: list[str] = []
+
+    @agent.tool_plain
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        cities.append(city)
+        return WEATHER
+
+    result = agent.run_sync("What is the weather in Oslo?")
+    assert cities, "the agent never called its tool"
+    assert isinstance(result.output, str) and result.output.strip()
+    responses = [m for m in result.all_messages() if isinstance(m, ModelResponse)]
+    assert any(isinstance(p, ToolCallPart) for r in responses for p in r.parts)
     assert responses[-1].finish_reason == "stop", responses[-1]

@@ -18,7 +18,7 @@ from izh.settings import LimitSettings
 from tests.e2e.api_server import ApiServer, api_server
 
 MODEL = "tiny"
-CASES_PER_OPERATION = {"POST": 15, "GET": 3}
+CASES_PER_OPERATION = {"POST": 15, "GET": 3, "DELETE": 3}
 CALL_TIMEOUT_S = 30.0  # far above any answer on the tiny model: a hang fails the call
 
 

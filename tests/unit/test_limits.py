@@ -142,6 +142,34 @@ def test_completion_limits() -> None:
     assert info.value.param == "tokens"
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "setting"),
+    [
+        ({"input": [{"role": "user", "content": "x"}] * 4}, "input", "max_messages"),
+        ({"input": "x", "max_output_tokens": 51}, "max_output_tokens", "max_output_tokens"),
+        ({"input": "x", "top_logprobs": 6}, "top_logprobs", "max_top_logprobs"),
+        ({"input": "x", "tools": [{"type": "function", "name": "f"}] * 2}, "tools", "max_tools"),
+        (
+            {"input": "x", "tools": [{"type": "function", "name": "f", "parameters": _nested(5)}]},
+            "tools.0.parameters",
+            "max_schema_depth",
+        ),
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "schema": {"a": "b" * 300}}}},
+            "text.format",
+            "max_schema_bytes",
+        ),
+    ],
+)
+def test_each_responses_limit_is_a_400_naming_it(body: dict[str, Any], param: str, setting: str) -> None:
+    check = LIMITS.checker("/v1/responses")
+    assert check is not None
+    with pytest.raises(LimitExceeded, match=setting) as info:
+        check(body)
+    assert info.value.param == param
+    check({"input": [{"role": "user", "content": "x"}] * 3, "max_output_tokens": 50, "top_logprobs": 5})
+
+
 def test_chat_templates_from_requests_need_trust() -> None:
     body = {**CHAT, "chat_template": "{{ messages }}"}
     with pytest.raises(InvalidRequest) as info:

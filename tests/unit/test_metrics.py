@@ -111,7 +111,7 @@ def test_bucket_edges_match_vllm() -> None:
 
 def test_a_finished_request_fills_the_latency_histograms() -> None:
     stat_logger = _logger()
-    stat_logger.on_api_request(3)
+    stat_logger.on_api_request(3, "/v1/chat/completions")
     stat_logger.on_new_tokens("r", 1, now=10.5, is_first=True)
     stat_logger.on_new_tokens("r", 2, now=10.6, is_first=False)
     stat_logger.on_new_tokens("r", 1, now=10.9, is_first=False)
@@ -150,6 +150,8 @@ def test_a_finished_request_fills_the_latency_histograms() -> None:
     assert _value(text, 'izh:request_params_n_bucket{engine="0",le="2.0",model_name="tiny"}') == 0
     assert _value(text, 'izh:request_params_n_bucket{engine="0",le="5.0",model_name="tiny"}') == 1
     assert _value(text, f"izh:request_params_max_tokens_sum{{{LABELS}}}") == 4
+    chat_requests = 'izh:api_requests_total{endpoint="/v1/chat/completions",engine="0",model_name="tiny"}'
+    assert _value(text, chat_requests) == 1
 
 
 def test_a_scored_prompt_counts_its_prompt_tokens_and_prefill_but_no_first_token() -> None:

@@ -131,6 +131,9 @@ def test_no_limits_means_disabled_and_unbounded() -> None:
         ({"prompt": "hi", "max_tokens": 10_000}, 1 + 99),  # the output is capped by the context
         ({"prompt": [1, 2, 3], "max_tokens": 0, "echo": True}, 3),  # a scored prompt: no output
         ({"prompt": "hi", "max_tokens": "lots", "n": -1}, 1 + 7),  # junk: the route refuses it
+        # /v1/responses: the input items and the instructions, then max_output_tokens.
+        ({"input": "x" * 8, "instructions": "y" * 4, "max_output_tokens": 2}, 3 + 2),
+        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "z" * 8}]}]}, 6 + 7),
         ([1, 2], 1),
     ],
 )
