@@ -988,6 +988,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--time-limit", type=float, default=TIME_LIMIT_S, help="seconds for the whole check")
     ap.add_argument("--cpu-threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", default=None, help="result JSON (default bench_results/gpu_check-<time>.json)")
+    ap.add_argument(
+        "--git-sha",
+        default=None,
+        help="the checkout's sha (default: git rev-parse; the device's copy has no .git)",
+    )
     ap.add_argument("--log-dir", default="/tmp", help="where the server's log and izh bench's JSONs go")
     args = ap.parse_args(argv)
     unknown = set(args.phases.split(",")) - set(PHASES)
@@ -1027,7 +1032,7 @@ def main(argv: list[str] | None = None) -> int:
         out,
         {
             "benchmark": "gpu_check",
-            "git_sha": git_sha(),
+            "git_sha": args.git_sha or git_sha(),
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "time": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
             "dry_run": dry,
