@@ -32,6 +32,11 @@ fmt:
 serve *ARGS:
     {{venv}}/bin/izh serve {{ARGS}}
 
+# The prepared GPU check: correctness, then speed, < 6 min on one H200 (docs/operations.md, "GPU check").
+# `just gpu-check --device cpu --dry-run` runs every phase's harness on a CPU (Triton's interpreter).
+gpu-check *ARGS:
+    PYTHONUNBUFFERED=1 $(test -x {{py}} && echo {{py}} || echo python3) benchmarks/gpu_check.py {{ARGS}}
+
 # Offline engine throughput benchmark (writes bench_results/).
 bench *ARGS:
     {{py}} benchmarks/offline_throughput.py {{ARGS}}

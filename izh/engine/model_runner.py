@@ -85,6 +85,22 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def cpu_kernels_for(device: torch.device, requested: str | None) -> str | None:
+    """The `engine.cpu_kernels` setting to configure: as requested on a CPU; on CUDA "off" unless a variant
+    is named, since the model's tensors never reach them there and the first forward would otherwise build
+    the C library with gcc for nothing."""
+    if device.type != "cpu" and (requested is None or requested.strip().lower() == "auto"):
+        return "off"
+    return requested
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a stream sync: a plain `.to("cuda")` copies then waits for the
+    stream (the whole queued forward); a non-blocking copy from pageable memory is staged by the driver
+    before it returns, so `host` may be freed or reused at once."""
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+
 @dataclass(slots=True)
 class RunnerOutput:
     """Per-request results of one step, keyed by request id (only requests that sampled)."""
@@ -93,7 +109,8 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     forward_s: float = 0.0
-    """Time spent in the model forward and logits (for the benchmark's step split)."""
+    """Time spent in the model forward and logits (for the benchmark's step split): wall time on a CPU,
+    the GPU's time between two CUDA events on CUDA (the host only enqueues the kernels there)."""
 
 
 class ModelRunner:
@@ -105,9 +122,9 @@ class ModelRunner:
         progress: Callable[[int, int, str], None] | None = None,
     ) -> None:
         self.config = config
-        # Which C kernel variant runs, and where it is cached; a forced variant this CPU lacks fails here.
-        cpu_ops.configure(config.cpu_kernels, config.cache_dir)
         self.device = resolve_device(config.device)
+        # Which C kernel variant runs, and where it is cached; a forced variant this CPU lacks fails here.
+        cpu_ops.configure(cpu_kernels_for(self.device, config.cpu_kernels), config.cache_dir)
         source_types = checkpoint_quant_types(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device, quantized_checkpoint=bool(source_types))
         self.quantization = resolve_quantization(
@@ -145,6 +162,14 @@ class ModelRunner:
         self.sampler = Sampler(make_generator(config.seed, self.device))
         self._generators: dict[str, torch.Generator] = {}
         self._logits: torch.Tensor | None = None
+        # Start and end of the forward on the GPU's stream: forward_s without a host sync of its own (the
+        # sampler's read of the tokens has already waited for the end event).
+        self._forward_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        if self.device.type == "cuda":
+            self._forward_events = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
 
     # --- set-up ---------------------------------------------------------------------------------
 
@@ -238,30 +263,44 @@ class ModelRunner:
             return RunnerOutput()
         input_ids, positions, attn_metadata = self._prepare_inputs(scheduled)
         sample_rows, prompt_rows = self._select_rows(scheduled, attn_metadata)
+        logits_rows = [i for _, i in sample_rows]
+        for _, token_rows, _ in prompt_rows:
+            logits_rows.extend(token_rows)
+        # Copied before the forward is enqueued: on CUDA a blocking host-to-device copy waits for the stream,
+        # which would hold the logits back until the whole forward had run.
+        index = _to_device(torch.tensor(logits_rows, dtype=torch.long), self.device)
+        events = self._forward_events
         start = time.perf_counter()
+        if events is not None:
+            events[0].record()
         if self.graph_runner is not None and self.graph_runner.can_run(attn_metadata):
             hidden = self.graph_runner.run(input_ids, positions, attn_metadata)
         else:
             hidden = self.model(input_ids, positions, attn_metadata)  # [num_tokens, hidden_size]
-        logits_rows = [i for _, i in sample_rows]
-        for _, token_rows, _ in prompt_rows:
-            logits_rows.extend(token_rows)
         if not logits_rows:
             # Only prompt-only requests, none of them at a prompt-logprob row: no logits to compute.
-            out = RunnerOutput(forward_s=time.perf_counter() - start)
+            out = RunnerOutput(forward_s=self._forward_time(start))
             self._prompt_logprobs(scheduled, prompt_rows, hidden.new_empty(0, 0), out)
             return out
-        index = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(  # [len(logits_rows), vocab]
             hidden.index_select(0, index), out=self._logits_buffer(len(logits_rows))
         )
-        forward_s = time.perf_counter() - start
-        out = RunnerOutput(forward_s=forward_s)
+        out = RunnerOutput(forward_s=self._forward_time(start))
         num_sampled = len(sample_rows)
         if num_sampled:
             self._sample(scheduled, sample_rows, logits[:num_sampled], out, grammar)
         self._prompt_logprobs(scheduled, prompt_rows, logits[num_sampled:], out)
+        if events is not None:
+            # The sampled tokens were read back, so the end event has completed: no extra wait here.
+            events[1].synchronize()
+            out.forward_s = events[0].elapsed_time(events[1]) / 1e3
         return out
+
+    def _forward_time(self, start: float) -> float:
+        """Host time since `start`; on CUDA, records the forward's end event (read back after sampling)."""
+        if self._forward_events is not None:
+            self._forward_events[1].record()
+        return time.perf_counter() - start
 
     def _logits_buffer(self, num_rows: int) -> torch.Tensor | None:
         """A float32 [max_num_seqs, vocab] buffer reused by every step (None for more rows, as prompt
@@ -303,17 +342,17 @@ class ModelRunner:
 
         dev = self.device
         attn_metadata = AttentionMetadata(
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
+            query_start_loc=_to_device(torch.from_numpy(query_start_loc.astype(np.int32)), dev),
+            seq_lens=_to_device(torch.from_numpy(seq_lens.astype(np.int32)), dev),
+            slot_mapping=_to_device(torch.from_numpy(slot_mapping), dev),
+            block_tables=_to_device(torch.from_numpy(block_tables.astype(np.int32)), dev),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
             query_lens_list=query_lens.tolist(),
             seq_lens_list=seq_lens.tolist(),
         )
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        return input_ids, torch.from_numpy(positions).to(dev), attn_metadata
+        input_ids = _to_device(torch.tensor(token_ids, dtype=torch.long), dev)
+        return input_ids, _to_device(torch.from_numpy(positions), dev), attn_metadata
 
     @staticmethod
     def _select_rows(

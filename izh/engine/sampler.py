@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Any
 
 import torch
 
@@ -156,6 +157,18 @@ class SamplingMetadata:
         return metadata
 
 
+def _on_device(values: list[Any], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """`torch.tensor(values, dtype=dtype, device=device)` without its stream sync on CUDA (`_to_device`)."""
+    return _to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def _to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`. On CUDA a plain copy waits for the stream, that is for the forward and
+    logits queued before the sampler; a non-blocking copy from pageable memory is staged by the driver
+    before it returns, so it is as safe and lets the host build the next tensors meanwhile."""
+    return host if torch.device(device).type == "cpu" else host.to(device, non_blocking=True)
+
+
 def _fill_random_sampling(
     metadata: SamplingMetadata, rows: list[SamplingRow], greedy_flags: list[bool], device: torch.device | str
 ) -> None:
@@ -182,17 +195,17 @@ def _fill_random_sampling(
             if row.generator is None:
                 raise ValueError(f"row {index} has seed {params.seed} but no generator")
             metadata.generators[index] = row.generator
-    metadata.temperature = torch.tensor(temperatures, dtype=torch.float32, device=device)
+    metadata.temperature = _on_device(temperatures, torch.float32, device)
     if not metadata.all_random:
-        metadata.greedy_mask = torch.tensor(greedy_flags, dtype=torch.bool, device=device)
+        metadata.greedy_mask = _on_device(greedy_flags, torch.bool, device)
     enabled_top_ks = [k for k in top_ks if k < vocab_size]
     if enabled_top_ks:
-        metadata.top_k = torch.tensor(top_ks, dtype=torch.int64, device=device)
+        metadata.top_k = _on_device(top_ks, torch.int64, device)
         metadata.max_top_k = max(enabled_top_ks)
     if any(p < 1.0 for p in top_ps):
-        metadata.top_p = torch.tensor(top_ps, dtype=torch.float32, device=device)
+        metadata.top_p = _on_device(top_ps, torch.float32, device)
     if any(p > 0.0 for p in min_ps):
-        metadata.min_p = torch.tensor(min_ps, dtype=torch.float32, device=device)
+        metadata.min_p = _on_device(min_ps, torch.float32, device)
 
 
 def _fill_penalties(metadata: SamplingMetadata, rows: list[SamplingRow], device: torch.device | str) -> None:
@@ -222,11 +235,11 @@ def _fill_penalties(metadata: SamplingMetadata, rows: list[SamplingRow], device:
     counts.view(-1).index_add_(0, flat, torch.ones(flat.numel(), dtype=torch.float32, device=device))
     metadata.output_token_counts = counts
     if has_presence:
-        metadata.presence_penalties = torch.tensor(presence, dtype=torch.float32, device=device)
+        metadata.presence_penalties = _on_device(presence, torch.float32, device)
     if has_frequency:
-        metadata.frequency_penalties = torch.tensor(frequency, dtype=torch.float32, device=device)
+        metadata.frequency_penalties = _on_device(frequency, torch.float32, device)
     if has_repetition:
-        metadata.repetition_penalties = torch.tensor(repetition, dtype=torch.float32, device=device)
+        metadata.repetition_penalties = _on_device(repetition, torch.float32, device)
         repeated = [i for i in penalised if repetition[i] != 1.0]
         prompt_mask = torch.zeros(shape, dtype=torch.bool, device=device)
         flat = _flat_indices(
@@ -244,7 +257,7 @@ def _fill_token_masks(
         (i, row.params.allowed_token_ids) for i, row in enumerate(rows) if row.params.allowed_token_ids
     ]
     if allowed:
-        metadata.allowed_rows = torch.tensor([i for i, _ in allowed], dtype=torch.int64, device=device)
+        metadata.allowed_rows = _on_device([i for i, _ in allowed], torch.int64, device)
         metadata.allowed_token_ids = _token_index(
             [i for i, _ in allowed], [ids for _, ids in allowed], device
         )
@@ -306,11 +319,11 @@ def _token_index(
 ) -> TokenIndex:
     lengths = torch.tensor([len(ids) for ids in token_ids_per_row], dtype=torch.int64)
     return TokenIndex(
-        row_ids=torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.int64), lengths).to(device),
-        token_ids=torch.tensor(
-            list(chain.from_iterable(token_ids_per_row)), dtype=torch.int64, device=device
+        row_ids=_to_device(
+            torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.int64), lengths), device
         ),
-        values=None if values is None else torch.tensor(values, dtype=torch.float32, device=device),
+        token_ids=_on_device(list(chain.from_iterable(token_ids_per_row)), torch.int64, device),
+        values=None if values is None else _on_device(values, torch.float32, device),
     )
 
 

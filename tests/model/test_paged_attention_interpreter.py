@@ -11,19 +11,21 @@ import importlib.util
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from izh.kernels.paged_attention import (
-    paged_attention,
-    paged_attention_reference,
-    write_kv_cache,
-    write_kv_cache_reference,
+from benchmarks.paged_attention_cases import (
+    MIXED,
+    make_batch,
+    reference_float64,
+    relative_error,
+    run_reference,
+    run_triton,
 )
+from izh.kernels.paged_attention import write_kv_cache, write_kv_cache_reference
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -31,92 +33,6 @@ interpreter_only = pytest.mark.skipif(
     not (IN_INTERPRETER and HAS_TRITON), reason="runs in the TRITON_INTERPRET=1 subprocess"
 )
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3}
-
-# (query_len, seq_len): a fresh prefill, a chunk over a cached prefix spanning several blocks, two decodes
-# (one ending exactly on a block boundary).
-MIXED = [(13, 13), (9, 46), (1, 33), (1, 16)]
-
-
-@dataclass
-class PagedBatch:
-    q: torch.Tensor  # [num_tokens, num_heads, head_dim]
-    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-    keys: list[torch.Tensor]  # per sequence, dense [seq_len, num_kv_heads, head_dim]
-    values: list[torch.Tensor]
-    max_query_len: int
-    max_seq_len: int
-
-
-def make_batch(
-    lens: list[tuple[int, int]],
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    seed: int = 0,
-) -> PagedBatch:
-    """Random sequences written to shuffled (non-contiguous) cache blocks; every other slot holds NaN, so
-    a kernel that reads outside a context poisons its output."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-seq_len // block_size) for _, seq_len in lens]
-    num_blocks = sum(blocks_per_seq) + 3  # spare blocks nobody owns
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
-    tables, keys, values = [], [], []
-    for (_, seq_len), n in zip(lens, blocks_per_seq, strict=True):
-        table, order = order[:n], order[n:]
-        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
-        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
-        pos = torch.arange(seq_len)
-        kv_cache[0, torch.tensor(table)[pos // block_size], pos % block_size] = k
-        kv_cache[1, torch.tensor(table)[pos // block_size], pos % block_size] = v
-        tables.append(table)
-        keys.append(k)
-        values.append(v)
-    width = max(blocks_per_seq) + 1  # a padded column, -1 like a ragged batch's
-    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
-    query_lens = [q for q, _ in lens]
-    num_tokens = sum(query_lens)
-    return PagedBatch(
-        q=torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype),
-        kv_cache=kv_cache,
-        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
-        seq_lens=torch.tensor([s for _, s in lens], dtype=torch.int32),
-        block_tables=block_tables,
-        keys=keys,
-        values=values,
-        max_query_len=max(query_lens),
-        max_seq_len=max(s for _, s in lens),
-    )
-
-
-def run_reference(b: PagedBatch, scale: float) -> torch.Tensor:
-    return paged_attention_reference(b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, scale)
-
-
-def run_triton(
-    b: PagedBatch,
-    scale: float,
-    q: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    num_segments: int | None = None,
-) -> torch.Tensor:
-    return paged_attention(
-        b.q if q is None else q,
-        b.kv_cache,
-        b.query_start_loc,
-        b.seq_lens,
-        b.block_tables,
-        scale,
-        b.max_query_len,
-        b.max_seq_len,
-        out,
-        num_segments=num_segments,
-    )
 
 
 # --- the references, in the session ---------------------------------------------------------------
@@ -143,6 +59,15 @@ def test_reference_matches_dense_causal_sdpa(num_heads: int, num_kv_heads: int) 
             enable_gqa=True,
         ).transpose(0, 1)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], dense[seq_len - query_len :])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_float64_reference_matches_the_paged_reference(dtype: torch.dtype) -> None:
+    """benchmarks.paged_attention_cases.reference_float64 (dense K/V, float64), the GPU check's yardstick,
+    against paged_attention_reference (through the cache, float32)."""
+    b = make_batch(MIXED, 4, 2, head_dim=16, block_size=8, dtype=dtype, seed=5)
+    ref64 = reference_float64(b, 0.25)
+    assert relative_error(run_reference(b, 0.25), ref64) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
 def test_write_kv_cache_reference_skips_negative_slots() -> None:
