@@ -149,6 +149,7 @@ def build_server_app(llm: AsyncLLM, settings: IzhSettings) -> FastAPI:
         body_timeout_s=s.body_timeout_s,
         log_requests=s.log_requests,
         log_prompts=s.log_prompts,
+        web_ui=s.web_ui,
     )
 
 

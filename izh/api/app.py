@@ -37,6 +37,7 @@ from izh.api.ops import OPS_ROUTES, openapi_schema
 from izh.api.request_log import RequestLogger
 from izh.api.sampling import sampling_defaults
 from izh.api.state import ApiState
+from izh.api.webui import register_web_ui
 from izh.parsers.reasoning import resolve_reasoning_parser
 from izh.parsers.tools import select_tool_parser
 from izh.settings import LimitSettings, RateLimitSettings
@@ -76,6 +77,7 @@ def build_app(
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     log_requests: bool = True,
     log_prompts: bool = False,
+    web_ui: bool = True,
 ) -> FastAPI:
     """The OpenAI-compatible app over a started `llm` (the caller starts and shuts it down).
 
@@ -84,7 +86,8 @@ def build_app(
     own prefix-cache namespace. `limits` bound each request (default: the `[limits]` defaults, but
     trusting request chat templates, as a library caller vouches for its clients; `izh serve`
     passes the settings). `rate_limits` are per key id (see izh.api.ratelimit). CORS is on only
-    with `allowed_origins`. Raises ValueError for an unknown `reasoning_parser` or
+    with `allowed_origins`. With `web_ui`, the chat page (/) and the dashboard (/dashboard) are
+    served, public, from izh.api.webui. Raises ValueError for an unknown `reasoning_parser` or
     `tool_call_parser`, or two keys with the same id.
     """
     tokenizer = llm.tokenizer
@@ -139,11 +142,14 @@ def build_app(
         app.add_exception_handler(exc_class, handle_exception)
     for path, endpoint, methods in ROUTES:
         app.add_api_route(path, endpoint, methods=methods)
+    public_paths = PUBLIC_PATHS if metrics_require_auth else PUBLIC_PATHS | {"/metrics"}
+    if web_ui:
+        public_paths |= register_web_ui(app)
     keys = KeyRing(list(api_keys))
     rate_limiter = build_rate_limiter(rate_limits or RateLimitSettings(), keys)
     policy = GuardPolicy(
         keys=keys,
-        public_paths=PUBLIC_PATHS if metrics_require_auth else PUBLIC_PATHS | {"/metrics"},
+        public_paths=public_paths,
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
         limits=RequestLimits(
