@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -21,7 +22,11 @@ from typing import Any
 import httpx
 import pytest
 
+from izh.config import EngineConfig
+from izh_cli.inspect_metrics import Scrape, quantiles
+from tests.e2e.api_server import ApiServer, api_server
 from tests.e2e.real_server import API_KEY, RealServer, serve_default_model
+from tests.engine.fake_core import write_options
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +46,11 @@ WAIT_MS = 120_000
 """How long a browser wait may take: the model shares a small CPU with the rest of the suite."""
 ABORTED = ("izh:request_success_total{", 'finished_reason="abort"')
 """The counter of requests that ended aborted (a client gone): its name and label."""
+HISTOGRAMS = (
+    "izh:time_to_first_token_seconds",
+    "izh:inter_token_latency_seconds",
+    "izh:e2e_request_latency_seconds",
+)
 SEED_KEY = f"if (!localStorage.getItem('izh.apiKey')) localStorage.setItem('izh.apiKey', '{API_KEY}');"
 
 
@@ -347,6 +357,8 @@ def test_phone_width_and_dark_theme(browser: Any, server: RealServer, artifacts:
         page.click("#menu")
         page.wait_for_function("() => document.getElementById('sidebar').getBoundingClientRect().x >= 0")
         page.screenshot(path=artifacts / "chat-phone-menu.png")
+        page.mouse.click(370, 400)  # beside the list: it closes
+        page.wait_for_function("() => document.getElementById('sidebar').getBoundingClientRect().x < 0")
     finally:
         context.close()
 
@@ -398,7 +410,63 @@ def test_the_dashboard_moves_under_load(
     assert page.inner_text("#model-name") == server.model
     page.screenshot(path=artifacts / "dashboard.png", full_page=True)
 
+    # The page's Prometheus parsing and percentiles are izh inspect's, on the same scrape.
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    scrape = Scrape.from_text(text, 0.0)
+    expected = {name: quantiles(scrape.buckets(name)) for name in HISTOGRAMS}
+    computed = page.evaluate(
+        """async ([text, names]) => {
+            const prom = await import("./webui/prom.js");
+            const scrape = new prom.Scrape(text, 0);
+            return Object.fromEntries(names.map((name) => [name, Object.fromEntries([0.5, 0.95, 0.99].map(
+                (q) => [`p${Math.round(q * 100)}`, prom.histogramQuantile(q, scrape.buckets(name))]))]));
+        }""",
+        [text, list(HISTOGRAMS)],
+    )
+    for name in HISTOGRAMS:
+        assert None not in expected[name].values(), name
+        assert computed[name] == pytest.approx(expected[name]), name
+
 
 def _finished(page: Any) -> float:
     values = page.eval_on_selector_all("[data-reason]", "nodes => nodes.map(n => Number(n.dataset.value))")
     return float(sum(values))
+
+
+@pytest.fixture(scope="module")
+def echo_server(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
+    """A server over the FakeEngineCore, which echoes its prompt a token per step, with a template that
+    renders only the last message and the `think` reasoning parser: the "model" answers exactly what
+    the page sent, so the reasoning and content it streams are known."""
+    model_dir = tmp_path_factory.mktemp("echo_model")
+    for path in Path(tiny_llama_dir).glob("*.json"):
+        shutil.copy(path, model_dir / path.name)
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = "{{ messages[-1]['content'] }}"
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    write_options(model_dir, step_delay_s=0.02, max_model_len=256, vocab_size=1000)
+    config = EngineConfig(model=str(model_dir), served_model_name="echo")
+    start = {"core_factory": "tests.engine.fake_core:FakeEngineCore"}
+    with api_server(config, start_kwargs=start, reasoning_parser="think") as started:
+        yield started
+
+
+def test_streamed_reasoning_shows_as_a_collapsible_block(browser: Any, echo_server: ApiServer) -> None:
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    try:
+        page = context.new_page()
+        page.set_default_timeout(WAIT_MS)
+        page.goto(f"{echo_server.url}/")  # no API key on this server: no prompt
+        page.wait_for_function("() => document.querySelector('#model')?.value === 'echo'")
+        reply = send(page, "<think>First, add.\nThen check.</think>\n\nThe answer is **4**.")
+        reply.locator(".meta .tokens").wait_for()
+        reasoning = reply.locator("details.reasoning")
+        assert reasoning.locator(".reasoning-text").text_content() == "First, add.\nThen check."
+        assert reasoning.get_attribute("open") is None  # collapsed once the answer came
+        assert reply.locator(".content").inner_text().strip() == "The answer is 4."
+        assert reply.locator(".content strong").inner_text() == "4"
+        assert page.locator("#api-key-dialog").count() == 0
+        reasoning.locator("summary").click()
+        assert reasoning.locator(".reasoning-text").is_visible()
+    finally:
+        context.close()

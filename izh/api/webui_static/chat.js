@@ -48,6 +48,13 @@ function load() {
   } catch {
     state.conversations = [];
   }
+  for (const conversation of state.conversations) {
+    // A reply that was still streaming when the page went away ends there.
+    const last = conversation.messages[conversation.messages.length - 1];
+    if (last?.role === "assistant" && !last.finish_reason && !last.stopped && !last.error && !last.stats?.completion_tokens) {
+      last.stopped = true;
+    }
+  }
   state.currentId = localStorage.getItem(CURRENT);
   if (!state.conversations.some((c) => c.id === state.currentId)) state.currentId = state.conversations[0]?.id ?? null;
   let settings = {};
@@ -340,10 +347,15 @@ function mergeToolCalls(message, deltas) {
 }
 
 let frame = 0;
+let lastSave = 0;
 function scheduleUpdate() {
   if (frame) return;
   frame = requestAnimationFrame(() => {
     frame = 0;
+    if (performance.now() - lastSave > 2000) {
+      lastSave = performance.now();
+      save(); // a reload mid-reply keeps what has arrived
+    }
     const streaming = state.streaming;
     if (!streaming?.node || !streaming.node.isConnected) return;
     const pinned = nearBottom();
@@ -534,6 +546,18 @@ ui.forgetKey.addEventListener("click", () => {
   loadModels();
 });
 $("menu").addEventListener("click", () => ui.app.classList.toggle("nav-open"));
+document.querySelector(".main").addEventListener(
+  "click",
+  (event) => {
+    // On a phone, a tap beside the open conversation list closes it.
+    if (ui.app.classList.contains("nav-open") && !event.target.closest("#menu")) {
+      ui.app.classList.remove("nav-open");
+      event.preventDefault();
+      event.stopPropagation();
+    }
+  },
+  true,
+);
 ui.settingsToggle.addEventListener("click", () => {
   const hidden = ui.settings.classList.toggle("hidden");
   ui.settingsToggle.setAttribute("aria-expanded", String(!hidden));
