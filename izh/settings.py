@@ -278,6 +278,11 @@ class ServerSettings(_Section):
         default_factory=list, description="CORS origins allowed to call the API; empty = no CORS."
     )
     metrics_require_auth: bool = Field(default=False, description="Require an API key for /metrics as well.")
+    web_ui: bool = Field(
+        default=True,
+        description="Serve the built-in web UI: a chat page at / and a live dashboard at /dashboard (the "
+        "pages are public; with API keys they ask for one before calling the API).",
+    )
     max_body_bytes: Annotated[int, ByteSize] = Field(
         default=8 * 2**20, gt=0, description="Largest accepted request body, in bytes or with a unit (8MiB)."
     )

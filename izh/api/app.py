@@ -36,6 +36,7 @@ from izh.api.request_log import RequestLogger
 from izh.api.responses_store import ResponseStore
 from izh.api.sampling import sampling_defaults
 from izh.api.state import ApiState
+from izh.api.webui import register_web_ui
 from izh.parsers.reasoning import resolve_reasoning_parser
 from izh.parsers.tools import select_tool_parser
 from izh.settings import LimitSettings, RateLimitSettings, ServerSettings
@@ -79,8 +80,9 @@ def build_app(
     trusting request chat templates, as a library caller vouches for its clients; `izh serve`
     passes the settings). `rate_limits` are per key id (see izh.api.ratelimit). CORS is on only
     with `allowed_origins`. `server.responses_store_max` bounds the stored responses of /v1/responses
-    (least recently used evicted). Raises ValueError for an unknown `reasoning_parser` or `tool_call_parser`,
-    or two keys with the same id.
+    (least recently used evicted). With `server.web_ui`, the chat page (/) and the dashboard
+    (/dashboard) are served, public, from izh.api.webui. Raises ValueError for an unknown
+    `reasoning_parser` or `tool_call_parser`, or two keys with the same id.
     """
     s = server if server is not None else ServerSettings()
     tokenizer = llm.tokenizer
@@ -136,11 +138,14 @@ def build_app(
         app.add_exception_handler(exc_class, handle_exception)
     for path, endpoint, methods in ROUTES:
         app.add_api_route(path, endpoint, methods=methods)
+    public_paths = PUBLIC_PATHS if s.metrics_require_auth else PUBLIC_PATHS | {"/metrics"}
+    if s.web_ui:
+        public_paths |= register_web_ui(app)
     keys = KeyRing(sorted(s.api_key_values()))
     rate_limiter = build_rate_limiter(rate_limits or RateLimitSettings(), keys)
     policy = GuardPolicy(
         keys=keys,
-        public_paths=PUBLIC_PATHS if s.metrics_require_auth else PUBLIC_PATHS | {"/metrics"},
+        public_paths=public_paths,
         max_body_bytes=s.max_body_bytes,
         body_timeout_s=s.body_timeout_s,
         limits=RequestLimits(

@@ -26,8 +26,9 @@ from tests.engine.fake_core import FOREVER_TOKEN, write_options
 
 MODEL = "tiny"
 KEY_A, KEY_B, KEY_C = "sk-alpha-0001", "sk-bravo-0002", "sk-charlie-0003"
-OPEN_PATHS = {"/health", "/ready", "/version"}
-"""The routes docs/operations.md lists as open without a key (with metrics_require_auth)."""
+OPEN_PATHS = {"/health", "/ready", "/version", "/", "/dashboard"}
+"""The routes docs/operations.md lists as open without a key (with metrics_require_auth): the probes and
+the web UI's pages (its files under /webui/ too, each by name; `/webui/{name}` itself is no file)."""
 PROMPT_40 = list(range(100, 140))
 """A token-id prompt of 40 tokens: two full KV blocks of 16 can be cached."""
 
