@@ -190,6 +190,17 @@ class ModelSettings(_Section):
     max_model_len: int | None = Field(
         default=None, gt=0, description="Context length in tokens (prompt + output); unset = the model's own."
     )
+    pooling: Annotated[Literal["auto", "mean", "cls", "last"], CaseInsensitive] = Field(
+        default="auto",
+        description="How /v1/embeddings pools the final hidden states: auto takes the model's "
+        "(sentence-transformers' 1_Pooling/config.json; else cls for an encoder, last token for a "
+        "decoder), or mean, cls, last.",
+    )
+    normalize_embeddings: bool | None = Field(
+        default=None,
+        description="L2-normalize embeddings; unset = the model's (a sentence-transformers Normalize "
+        "module; else on for a decoder, off for a bare encoder).",
+    )
     cache_dir: Path = Field(
         default_factory=lambda: Path(DEFAULT_CACHE_DIR).expanduser(),
         description="Folder where pulled models are stored (models/ inside it). Also IZH_CACHE_DIR.",
@@ -377,7 +388,12 @@ class LimitSettings(_Section):
         default=256, gt=0, description="Most prompts in one (batched) completion request."
     )
     max_prompt_tokens: int | None = Field(
-        default=None, gt=0, description="Longest prompt in tokens; unset = the model's context length."
+        default=None,
+        gt=0,
+        description="Longest prompt (or embedding input) in tokens; unset = the model's context length.",
+    )
+    max_embedding_inputs: int = Field(
+        default=2048, gt=0, description="Most inputs in one /v1/embeddings request (OpenAI's limit: 2048)."
     )
     max_output_tokens: int | None = Field(
         default=None,
@@ -563,6 +579,8 @@ class IzhSettings(BaseSettings):
             enforce_eager=engine.enforce_eager,
             attention_backend=engine.attention_backend,
             cpu_kernels=engine.cpu_kernels,
+            pooling=model.pooling,
+            normalize_embeddings=model.normalize_embeddings,
             cache_dir=str(model.cache_dir),
         )
 

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 import izh
-from izh.api import chat, completions, models, tokenize
+from izh.api import chat, completions, embeddings, models, tokenize
 from izh.api.errors import HANDLED_EXCEPTIONS, handle_exception
 from izh.api.guard import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 ROUTES: list[tuple[str, Any, list[str]]] = [
     ("/v1/chat/completions", chat.create_chat_completion, ["POST"]),
     ("/v1/completions", completions.create_completion, ["POST"]),
+    ("/v1/embeddings", embeddings.create_embedding, ["POST"]),
     ("/v1/models", models.list_models, ["GET"]),
     ("/v1/models/{model_id:path}", models.retrieve_model, ["GET"]),
     ("/tokenize", tokenize.tokenize, ["POST"]),

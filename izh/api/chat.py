@@ -106,7 +106,7 @@ async def create_chat_completion(request: Request) -> Response:
         priority=body.priority,
         cache_salt=body.cache_salt,
     )
-    state.metrics.on_api_request(body.n)
+    state.metrics.on_api_request(body.n, "chat/completions")
     _log_admitted(request_id, prompt, len(children), constraint, ctx)
     return await respond(
         request,

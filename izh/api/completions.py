@@ -109,7 +109,7 @@ async def create_completion(request: Request) -> Response:
         tokenizer=llm.tokenizer,
         want_prompt_logprobs=body.prompt_logprobs is not None,
     )
-    state.metrics.on_api_request(body.n)
+    state.metrics.on_api_request(body.n, "completions")
     children = await admit(
         state,
         ctx.id,

@@ -109,6 +109,7 @@ class RequestLimits:
             "/v1/completions": self.check_completion,
             "/tokenize": self.check_tokenize,
             "/detokenize": self.check_detokenize,
+            "/v1/embeddings": self.check_embeddings,
         }.get(path)
 
     # --- per route ---------------------------------------------------------------------------------
@@ -128,6 +129,12 @@ class RequestLimits:
             self._count("prompt", prompt, self.settings.max_prompts, "max_prompts", "prompts")
         self._check_sampling(body)
         self._at_most("logprobs", body.get("logprobs"), self.settings.max_top_logprobs, "max_top_logprobs")
+
+    def check_embeddings(self, body: dict[str, Any]) -> None:
+        """The number of inputs (tokens per input: limits.max_prompt_tokens, checked once tokenized)."""
+        inputs = body.get("input")
+        if isinstance(inputs, list) and inputs and not all(_is_int(item) for item in inputs):
+            self._count("input", inputs, self.settings.max_embedding_inputs, "max_embedding_inputs", "inputs")
 
     def check_tokenize(self, body: dict[str, Any]) -> None:
         self._check_messages(body)

@@ -158,6 +158,12 @@ class PrometheusStatLogger:
         self.request_generation_tokens = self._histogram(
             "izh:request_generation_tokens", "Number of generation tokens processed.", size_buckets
         )
+        self.api_requests = Counter(
+            "izh:api_requests",
+            "Count of API requests by endpoint (chat/completions, completions, embeddings, ...).",
+            [*LABELS, "endpoint"],
+            registry=self.registry,
+        )
         self.request_params_n = self._histogram(
             "izh:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
         )
@@ -201,12 +207,19 @@ class PrometheusStatLogger:
         )
         info.labels(*self._labels, *(str(cache_config[name]) for name in names)).set(1)
 
-    def on_api_request(self, n: int) -> None:
-        """One chat or completions request asking for `n` samples per prompt.
+    def on_api_request(self, n: int, endpoint: str | None = None) -> None:
+        """One chat or completions request asking for `n` samples per prompt (and counted under its
+        `endpoint`, when given).
 
         Observed here, not per finished request: the engine only sees the n = 1 children.
         """
         self.request_params_n.observe(n)
+        if endpoint is not None:
+            self.count_request(endpoint)
+
+    def count_request(self, endpoint: str) -> None:
+        """One API request to `endpoint` ("chat/completions", "completions", "embeddings", ...)."""
+        self.api_requests.labels(*self._labels, endpoint).inc()
 
     # --- the StatLogger protocol -------------------------------------------------------------------
 

@@ -81,6 +81,8 @@ def load_model(
         else:
             config = ModelConfig.from_hf_config(_read_hf_config(path))
             tensors = list(_safetensors_checkpoint_tensors(path, files))
+            if config.is_encoder:
+                tensors = _encoder_tensors(tensors)
         get_model_class(config.architecture)
         with torch.device(device):
             model = build_model(config, dtype=dtype)
@@ -96,6 +98,22 @@ def load_model(
         time.perf_counter() - start_s,
     )
     return model, config
+
+
+_ENCODER_UNUSED = ("pooler.", "cls.", "embeddings.position_ids")
+"""BERT checkpoint tensors izh does not use: the [CLS] pooler and the pre-training heads (embeddings
+pool their own way, izh.model.pooling), and a saved position-ids buffer."""
+
+
+def _encoder_tensors(tensors: list[CheckpointTensor]) -> list[CheckpointTensor]:
+    """A BERT checkpoint under BertModel's names: a `bert.` prefix stripped, unused tensors skipped."""
+    kept = []
+    for t in tensors:
+        name = t.name.removeprefix("bert.")
+        if name.startswith(_ENCODER_UNUSED):
+            continue
+        kept.append(CheckpointTensor(name=name, shape=t.shape, source=t.source, read=t.read))
+    return kept
 
 
 def _check_exists(path: str) -> None:
