@@ -41,7 +41,15 @@ from izh.api.constraints import (
 from izh.api.fanout import admit, respond
 from izh.api.protocol import ChatCompletionRequest
 from izh.api.sampling import chat_sampling_params
-from izh.api.state import ApiState, api_state, check_model, check_serving, read_json, request_id_of
+from izh.api.state import (
+    ApiState,
+    api_state,
+    check_can_generate,
+    check_model,
+    check_serving,
+    read_json,
+    request_id_of,
+)
 from izh.errors import InvalidRequest
 from izh.parsers.reasoning import prompt_ends_in_reasoning
 from izh.sampling_params import MAX_LOGPROBS
@@ -66,6 +74,7 @@ async def create_chat_completion(request: Request) -> Response:
     check_serving(request)
     body = await read_json(request, ChatCompletionRequest)
     check_model(state, body.model)
+    check_can_generate(state)
     check_chat_request(body)
     tool_choice = effective_tool_choice(body)
     tools_on = bool(body.tools) and tool_choice != "none"

@@ -212,7 +212,7 @@ def _prompt_token_estimates(body: dict[str, Any]) -> list[int]:
     messages = body.get("messages")
     if isinstance(messages, list):
         return [_text_tokens(sum(_chars(message) for message in messages))]
-    prompt = body.get("prompt")
+    prompt = body.get("prompt", body.get("input"))  # "input": /v1/embeddings
     if isinstance(prompt, str):
         return [_text_tokens(len(prompt))]
     if isinstance(prompt, list) and prompt:
