@@ -41,13 +41,19 @@ class EmbeddingRecord:
 
 
 async def _one(
-    client: httpx.AsyncClient, url: str, model: str, batch: list[Sample], index: int, origin: float
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    batch: list[Sample],
+    index: int,
+    origin: float,
+    encoding_format: str,
 ) -> EmbeddingRecord:
     import httpx
 
     from izh_cli.http import error_message, exception_kind, http_error_kind
 
-    body = {"model": model, "input": [s.prompt for s in batch], "encoding_format": "float"}
+    body = {"model": model, "input": [s.prompt for s in batch], "encoding_format": encoding_format}
     start = time.perf_counter()
     error = None
     tokens = sum(s.prompt_len for s in batch)
@@ -87,9 +93,11 @@ async def run_level(
     num_requests: int,
     batch_size: int,
     stop: asyncio.Event | None = None,
+    encoding_format: str = "float",
 ) -> tuple[list[EmbeddingRecord], float, bool]:
     """Send `num_requests` requests of `batch_size` texts (cycling through `samples`), `concurrency` at
-    a time; returns the records, the wall time and whether `stop` cut it short."""
+    a time; returns the records, the wall time and whether `stop` cut it short. `encoding_format`
+    "base64" is what the openai SDK asks for by default (vLLM and llama.cpp serve it too)."""
     texts = itertools.cycle(samples)
     batches = [[next(texts) for _ in range(batch_size)] for _ in range(num_requests)]
     queue = iter(enumerate(batches))
@@ -101,7 +109,7 @@ async def run_level(
         for index, batch in queue:
             if stop is not None and stop.is_set():
                 return
-            records.append(await _one(client, url, model, batch, index, origin))
+            records.append(await _one(client, url, model, batch, index, origin, encoding_format))
 
     tasks = [asyncio.create_task(worker(slot)) for slot in range(min(concurrency, num_requests))]
     stopper = asyncio.create_task(stop.wait()) if stop is not None else None
