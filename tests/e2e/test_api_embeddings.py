@@ -96,8 +96,11 @@ def test_token_id_inputs_equal_their_text(client: openai.OpenAI, server: ApiServ
     by_text = client.embeddings.create(model=MODEL, input=TEXTS[:2], encoding_format="float")
     one = client.embeddings.create(model=MODEL, input=ids[0], encoding_format="float")
     several = client.embeddings.create(model=MODEL, input=ids, encoding_format="float")
-    assert one.data[0].embedding == by_text.data[0].embedding
-    assert [d.embedding for d in several.data] == [d.embedding for d in by_text.data]
+    # Equal up to float rounding: a batch's padding for attention may differ from one run to the next.
+    np.testing.assert_allclose(one.data[0].embedding, by_text.data[0].embedding, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        [d.embedding for d in several.data], [d.embedding for d in by_text.data], rtol=1e-5, atol=1e-6
+    )
 
 
 def test_concurrent_requests_give_the_vectors_each_gives_alone(client: openai.OpenAI) -> None:
