@@ -29,7 +29,8 @@ class EngineConfig:
     """Fraction of free memory (device memory on GPU) given to the KV cache when no byte size is set
     (on CPU at most 4 GiB)."""
     max_num_batched_tokens: int | None = None
-    """Token budget of one step; None: `default_batched_tokens(device)` (2048 on CUDA, 128 on CPU)."""
+    """Token budget of one step; None: `default_batched_tokens(device)` (2048 on CUDA, 128 on CPU), and
+    2048 for an encoder (EngineCore: it has no decodes whose gaps a long step would stretch)."""
     max_num_seqs: int = 128
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"

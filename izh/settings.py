@@ -233,7 +233,8 @@ class EngineSettings(_Section):
         default=None,
         gt=0,
         description="Token budget of one engine step (prefill chunks and decodes together); unset = 2048 "
-        "on CUDA, 128 on CPU (where a 2048-token prefill step takes seconds, and every decode waits for it).",
+        "on CUDA, 128 on CPU (where a 2048-token prefill step takes seconds, and every decode waits for it), "
+        "2048 for an encoder (it only embeds: no decode waits).",
     )
     max_num_seqs: int = Field(default=128, gt=0, description="Most sequences running in one engine step.")
     enable_prefix_caching: bool = Field(

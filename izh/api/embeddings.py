@@ -167,8 +167,8 @@ async def create_embedding(request: Request) -> Response:
         pooling_type=ready.pooling_type, normalize=ready.normalize_embeddings, dimensions=body.dimensions
     )
     request_id = request_id_of(request)
-    state.metrics.count_request("embeddings")
     children = await _admit(state, f"embd-{request_id}", token_ids, pooling)
+    state.metrics.count_request("embeddings")
     logger.debug("[%s] embeddings: %d inputs", request_id, len(children))
     collect = _collect(children, token_ids, body.encoding_format, f"embd-{request_id}", state.model_name)
     try:
