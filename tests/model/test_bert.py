@@ -152,3 +152,39 @@ def test_all_minilm_l6_v2_matches_sentence_transformers(minilm_dir: str) -> None
     outs = llm.embed(TEXTS)
     assert all(len(o.embedding) == 384 for o in outs)
     assert min(_cosines([o.embedding for o in outs], want)) > 0.9999
+
+
+def test_a_pytorch_model_bin_checkpoint_loads_as_its_safetensors(
+    bert_factory: Callable[..., str], tmp_path: Path
+) -> None:
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "bin"
+    shutil.copytree(bert_factory(), folder)
+    state = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+    want = LLM(bert_factory(), device="cpu").embed(TEXTS)
+    got = LLM(str(folder), device="cpu").embed(TEXTS)
+    assert [o.embedding for o in got] == [o.embedding for o in want]
+    # weights_only: a pickle that is not a plain state dict is refused, and one that would run code
+    # is never run.
+    torch.save({"not": "tensors"}, folder / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match=r"pytorch_model\.bin"):
+        LLM(str(folder), device="cpu")
+    marker = tmp_path / "ran"
+    torch.save({"w": _RunsCode(str(marker))}, folder / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="weights only"):
+        LLM(str(folder), device="cpu")
+    assert not marker.exists()
+
+
+class _RunsCode:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (Path.write_text, (Path(self.path), "ran"))  # type: ignore[return-value]
