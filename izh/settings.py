@@ -165,7 +165,8 @@ class ModelSettings(_Section):
     name: str = Field(
         default="smollm2",
         min_length=1,
-        description="Model to serve: a registry name (smollm2), a local .gguf file or a Hugging Face folder.",
+        description="Model to serve: a registry name (smollm2; all-minilm-l6-v2 for embeddings), a local "
+        ".gguf file or a Hugging Face folder.",
     )
     served_model_name: str | None = Field(
         default=None,
