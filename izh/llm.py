@@ -15,6 +15,7 @@ from izh.engine.core import EngineCore
 from izh.errors import InvalidRequest
 from izh.frontend.input_processor import validate_request
 from izh.frontend.output_processor import OutputProcessor, PositionLogprobs, RequestState
+from izh.pooling_params import PoolingParams
 from izh.protocol import AddRequest
 from izh.sampling_params import SamplingParams
 from izh.tokenizer import Tokenizer, load_tokenizer
@@ -56,6 +57,15 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     finished: bool = False
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """The embedding of one input (vLLM's `EmbeddingRequestOutput`, its `outputs.embedding` flattened)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float] = field(default_factory=list)
 
 
 class LLM:
@@ -160,17 +170,71 @@ class LLM:
         ]
         return self.generate(token_prompts, sampling_params)
 
+    def embed(
+        self,
+        inputs: PromptType | Sequence[PromptType],
+        *,
+        dimensions: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per input (like vLLM's `LLM.embed`), in input order, over the same engine
+        path as the server's /v1/embeddings: the model's pooling and normalization, `dimensions` only
+        where the model declares Matryoshka sizes. Inputs are strings (tokenized with the special
+        tokens) or {"prompt_token_ids": [...]}."""
+        import array
+        import sys
+
+        info = self.engine_core.embedding_info()
+        pooling = PoolingParams(
+            pooling_type=info["pooling_type"], normalize=info["normalize_embeddings"], dimensions=dimensions
+        )
+        input_list = [inputs] if isinstance(inputs, str | dict) else list(inputs)
+        results: dict[str, EmbeddingRequestOutput] = {}
+        try:
+            for prompt in input_list:
+                _, token_ids = self._tokenize_prompt(prompt)
+                request_id = str(next(self._counter))
+                self._add_request(request_id, token_ids, SamplingParams(max_tokens=0), pooling_params=pooling)
+                results[request_id] = EmbeddingRequestOutput(
+                    request_id=request_id, prompt_token_ids=token_ids
+                )
+        except BaseException:
+            self.engine_core.abort_requests(list(results))
+            for request_id in results:
+                self._states.pop(request_id, None)
+            raise
+        while self.engine_core.has_unfinished_requests():
+            for out in self.engine_core.step():
+                self._states.pop(out.request_id, None)
+                result = results.get(out.request_id)
+                if result is None or out.embedding is None:
+                    continue
+                values = array.array("f", out.embedding)
+                if sys.byteorder == "big":
+                    values.byteswap()
+                result.embedding = values.tolist()
+        return list(results.values())
+
     # --- internals (also used by the offline benchmark) -----------------------------------------
 
     def _add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         # The one validation point, as the server's AsyncLLM: the engine core trusts what it gets.
+        info = self.engine_core.embedding_info()
         params = validate_request(
             prompt_token_ids,
             params,
             vocab_size=self.engine_core.vocab_size,
             max_model_len=self.engine_core.max_model_len,
+            pooling_params=pooling_params,
+            can_generate=info["can_generate"],
+            hidden_size=info["hidden_size"],
+            matryoshka_dimensions=info["matryoshka_dimensions"],
         )
         self.engine_core.add_request(
             AddRequest(
@@ -179,6 +243,7 @@ class LLM:
                 sampling_params=params,
                 arrival_time=time.time(),
                 priority=priority,
+                pooling_params=pooling_params,
             )
         )
         self._states[request_id] = self._processor.make_request_state(

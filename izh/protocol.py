@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from izh.pooling_params import PoolingParams
 from izh.sampling_params import SamplingParams
 
 
@@ -35,6 +36,9 @@ class AddRequest(msgspec.Struct, tag=True, kw_only=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    pooling_params: PoolingParams | None = None
+    """Set for an embedding request (then max_tokens is 0): the core pools its prompt's final hidden
+    states and returns the vector in EngineOutput.embedding."""
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -82,6 +86,8 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     queued_ts: float = 0.0
     scheduled_ts: float = 0.0
     """Monotonic engine-clock times, sent with a request's first output (for queue/prefill metrics)."""
+    embedding: bytes | None = None
+    """A pooling request's vector, little-endian float32 (numpy's '<f4'), on its finishing output."""
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True):
@@ -128,6 +134,16 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
     eos_token_ids: list[int]
     device: str
     dtype: str
+    can_generate: bool = True
+    """False for an encoder (BERT): it only embeds; generation requests are refused with a 400."""
+    hidden_size: int = 0
+    """The size of an embedding (before `dimensions`)."""
+    pooling_type: str = "last"
+    """The model's pooling (model files, or the `model.pooling` setting): mean | cls | last."""
+    normalize_embeddings: bool = True
+    matryoshka_dimensions: list[int] | None = None
+    """None: the model declares no Matryoshka training, so `dimensions` is refused; [] any size up to
+    hidden_size; else the sizes it was trained for."""
 
 
 class Dead(msgspec.Struct, tag=True):

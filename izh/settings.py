@@ -165,7 +165,8 @@ class ModelSettings(_Section):
     name: str = Field(
         default="smollm2",
         min_length=1,
-        description="Model to serve: a registry name (smollm2), a local .gguf file or a Hugging Face folder.",
+        description="Model to serve: a registry name (smollm2; all-minilm-l6-v2 for embeddings), a local "
+        ".gguf file or a Hugging Face folder.",
     )
     served_model_name: str | None = Field(
         default=None,
@@ -189,6 +190,17 @@ class ModelSettings(_Section):
     )
     max_model_len: int | None = Field(
         default=None, gt=0, description="Context length in tokens (prompt + output); unset = the model's own."
+    )
+    pooling: Annotated[Literal["auto", "mean", "cls", "last"], CaseInsensitive] = Field(
+        default="auto",
+        description="How /v1/embeddings pools the final hidden states: auto takes the model's "
+        "(sentence-transformers' 1_Pooling/config.json; else cls for an encoder, last token for a "
+        "decoder), or mean, cls, last.",
+    )
+    normalize_embeddings: bool | None = Field(
+        default=None,
+        description="L2-normalize embeddings; unset = the model's (a sentence-transformers Normalize "
+        "module; else on for a decoder, off for a bare encoder).",
     )
     cache_dir: Path = Field(
         default_factory=lambda: Path(DEFAULT_CACHE_DIR).expanduser(),
@@ -222,7 +234,8 @@ class EngineSettings(_Section):
         default=None,
         gt=0,
         description="Token budget of one engine step (prefill chunks and decodes together); unset = 2048 "
-        "on CUDA, 128 on CPU (where a 2048-token prefill step takes seconds, and every decode waits for it).",
+        "on CUDA, 128 on CPU (where a 2048-token prefill step takes seconds, and every decode waits for it), "
+        "2048 for an encoder (it only embeds: no decode waits).",
     )
     max_num_seqs: int = Field(default=128, gt=0, description="Most sequences running in one engine step.")
     enable_prefix_caching: bool = Field(
@@ -390,7 +403,12 @@ class LimitSettings(_Section):
         default=256, gt=0, description="Most prompts in one (batched) completion request."
     )
     max_prompt_tokens: int | None = Field(
-        default=None, gt=0, description="Longest prompt in tokens; unset = the model's context length."
+        default=None,
+        gt=0,
+        description="Longest prompt (or embedding input) in tokens; unset = the model's context length.",
+    )
+    max_embedding_inputs: int = Field(
+        default=2048, gt=0, description="Most inputs in one /v1/embeddings request (OpenAI's limit: 2048)."
     )
     max_output_tokens: int | None = Field(
         default=None,
@@ -576,6 +594,8 @@ class IzhSettings(BaseSettings):
             enforce_eager=engine.enforce_eager,
             attention_backend=engine.attention_backend,
             cpu_kernels=engine.cpu_kernels,
+            pooling=model.pooling,
+            normalize_embeddings=model.normalize_embeddings,
             cache_dir=str(model.cache_dir),
         )
 

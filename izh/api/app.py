@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 import izh
-from izh.api import chat, completions, models, responses, tokenize
+from izh.api import chat, completions, embeddings, models, responses, tokenize
 from izh.api.errors import HANDLED_EXCEPTIONS, handle_exception
 from izh.api.guard import (
     PUBLIC_PATHS,
@@ -53,6 +53,7 @@ ROUTES: list[tuple[str, Any, list[str]]] = [
     ("/v1/responses/{response_id}", responses.retrieve_response, ["GET"]),
     ("/v1/responses/{response_id}", responses.delete_response, ["DELETE"]),
     ("/v1/responses/{response_id}/input_items", responses.list_input_items, ["GET"]),
+    ("/v1/embeddings", embeddings.create_embedding, ["POST"]),
     ("/v1/models", models.list_models, ["GET"]),
     ("/v1/models/{model_id:path}", models.retrieve_model, ["GET"]),
     ("/tokenize", tokenize.tokenize, ["POST"]),

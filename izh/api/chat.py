@@ -45,7 +45,15 @@ from izh.api.constraints import (
 from izh.api.fanout import Child, admit, respond
 from izh.api.protocol import ChatCompletionRequest
 from izh.api.sampling import chat_sampling_params
-from izh.api.state import ApiState, api_state, check_model, check_serving, read_json, request_id_of
+from izh.api.state import (
+    ApiState,
+    api_state,
+    check_can_generate,
+    check_model,
+    check_serving,
+    read_json,
+    request_id_of,
+)
 from izh.errors import InvalidRequest
 from izh.parsers.reasoning import prompt_ends_in_reasoning
 from izh.sampling_params import MAX_LOGPROBS
@@ -107,6 +115,7 @@ async def prepare_chat(
     The chat route's, and the Responses route's on the chat request its body maps to; the input
     processor names `prompt_param` in its refusals (context length).
     """
+    check_can_generate(state)
     check_chat_request(body)
     tool_choice = effective_tool_choice(body)
     tools_on = bool(body.tools) and tool_choice != "none"

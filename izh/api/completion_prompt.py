@@ -23,12 +23,13 @@ class Prompt:
     text: str | None = ""
 
 
-def split_prompts(prompt: CompletionPrompt) -> list[str | list[int]]:
-    """The batch in `prompt`: a string, a list of token ids, or a list of either."""
+def split_prompts(prompt: CompletionPrompt, param: str = "prompt") -> list[str | list[int]]:
+    """The batch in `prompt` (the request field `param`): a string, a list of token ids, or a list of
+    either."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise InvalidRequest("prompt must not be empty", param="prompt")
+        raise InvalidRequest(f"{param} must not be empty", param=param)
     if all(isinstance(item, int) for item in prompt):
         return [list(prompt)]  # type: ignore[arg-type]
     return list(prompt)  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ from izh.api.protocol import (
 )
 from izh.api.sampling import completion_sampling_params
 from izh.api.sse import data_event
-from izh.api.state import api_state, check_model, check_serving, read_json, request_id_of
+from izh.api.state import api_state, check_can_generate, check_model, check_serving, read_json, request_id_of
 from izh.errors import InvalidRequest
 from izh.frontend.output_processor import RequestOutput
 from izh.tokenizer import Tokenizer
@@ -77,6 +77,7 @@ async def create_completion(request: Request) -> Response:
     check_serving(request)
     body = await read_json(request, CompletionRequest)
     check_model(state, body.model)
+    check_can_generate(state)
     check_completion_request(body)
     constraint = single_constraint(requested_constraints(body))
     llm = state.llm

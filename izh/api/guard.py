@@ -35,6 +35,7 @@ from izh.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ParsedBody,
     TokenizeRequest,
 )
@@ -58,12 +59,13 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/version"})
 """Open without an API key (and /metrics unless metrics_require_auth); every other path needs one."""
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"})
 """The routes that run the model: rate-limited, and where a RequestScope collects usage."""
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/embeddings": EmbeddingRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
@@ -235,10 +237,17 @@ class RequestGuardMiddleware:
         key_id = record.key_id or ANONYMOUS_KEY_ID
         if path in GENERATION_PATHS and scope["method"] == "POST" and policy.rate_limiter.enabled:
             default_max_tokens = (
-                COMPLETIONS_DEFAULT_MAX_TOKENS if path == "/v1/completions" else policy.default_max_tokens
+                COMPLETIONS_DEFAULT_MAX_TOKENS
+                if path == "/v1/completions"
+                else 0
+                if path == "/v1/embeddings"  # no output tokens
+                else policy.default_max_tokens
             )
             estimate = estimate_request_tokens(
-                body, default_max_tokens=default_max_tokens, max_model_len=policy.limits.max_model_len
+                body,
+                default_max_tokens=default_max_tokens,
+                max_model_len=policy.limits.max_model_len,
+                path=path,
             )
             reservation = policy.rate_limiter.reserve(key_id, estimate)
         request_scope = RequestScope(

@@ -110,6 +110,7 @@ class RequestLimits:
             "/v1/responses": self.check_responses,
             "/tokenize": self.check_tokenize,
             "/detokenize": self.check_detokenize,
+            "/v1/embeddings": self.check_embeddings,
         }.get(path)
 
     # --- per route ---------------------------------------------------------------------------------
@@ -150,6 +151,12 @@ class RequestLimits:
         text = body.get("text")
         if isinstance(text, dict) and isinstance(text.get("format"), dict):
             self._check_schema("text.format", text["format"].get("schema"))
+
+    def check_embeddings(self, body: dict[str, Any]) -> None:
+        """The number of inputs (tokens per input: limits.max_prompt_tokens, checked once tokenized)."""
+        inputs = body.get("input")
+        if isinstance(inputs, list) and inputs and not all(_is_int(item) for item in inputs):
+            self._count("input", inputs, self.settings.max_embedding_inputs, "max_embedding_inputs", "inputs")
 
     def check_tokenize(self, body: dict[str, Any]) -> None:
         self._check_messages(body)

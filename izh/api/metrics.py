@@ -161,10 +161,11 @@ class PrometheusStatLogger:
         self.request_params_n = self._histogram(
             "izh:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
         )
-        # izh's own (vLLM has none): admitted generation requests by route.
+        # izh's own (vLLM has none): admitted requests by route.
         self.api_requests = Counter(
             "izh:api_requests",
-            "Count of admitted generation requests by API endpoint.",
+            "Count of admitted requests by API endpoint (its path: /v1/chat/completions, /v1/completions, "
+            "/v1/responses, /v1/embeddings).",
             [*LABELS, "endpoint"],
             registry=self.registry,
         )
@@ -214,6 +215,10 @@ class PrometheusStatLogger:
         Observed here, not per finished request: the engine only sees the n = 1 children.
         """
         self.request_params_n.observe(n)
+        self.count_request(endpoint)
+
+    def count_request(self, endpoint: str) -> None:
+        """One admitted API request to `endpoint` (its path), with no sampling parameters to observe."""
         self.api_requests.labels(*self._labels, endpoint).inc()
 
     # --- the StatLogger protocol -------------------------------------------------------------------

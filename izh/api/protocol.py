@@ -224,6 +224,46 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+# --- /v1/embeddings -----------------------------------------------------------------------------
+
+
+class EmbeddingRequest(RequestBase):
+    """OpenAI's embeddings request (plus vLLM's add_special_tokens). `input` is a string, a list of
+    strings, a list of token ids or a list of those (as a completion's prompt)."""
+
+    model: str | None = None
+    input: CompletionPrompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int64 | None = None
+    user: str | None = None
+    """Accepted for OpenAI's clients; it only identifies the end user (izh's request log has the key)."""
+    add_special_tokens: bool = True
+    """vLLM's: add the tokenizer's special tokens ([CLS] ... [SEP] for BERT, BOS for a decoder)."""
+    truncate_prompt_tokens: Int64 | None = None
+    """vLLM's; refused with a 400 when set: izh refuses a too-long input, as OpenAI does."""
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+    """Floats, or (encoding_format base64) the little-endian float32 bytes in base64."""
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
 # --- /v1/chat/completions -----------------------------------------------------------------------
 
 

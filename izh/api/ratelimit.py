@@ -178,15 +178,18 @@ def _limits_anything(limit: KeyRateLimit) -> bool:
 # --- the estimate ------------------------------------------------------------------------------------
 
 
-def estimate_request_tokens(body: Any, *, default_max_tokens: int, max_model_len: int) -> int:
-    """What a chat, completion or responses body may cost, before tokenization (see the module docstring).
+def estimate_request_tokens(
+    body: Any, *, default_max_tokens: int, max_model_len: int, path: str = "/v1/chat/completions"
+) -> int:
+    """What a chat, completion, responses or embeddings body (sent to `path`) may cost, before
+    tokenization (see the module docstring).
 
     `default_max_tokens` stands in when the body sets none. Tolerates any JSON: a body the route
     will refuse anyway is estimated as cheaply as possible.
     """
     if not isinstance(body, dict):
         return 1
-    prompts = _prompt_token_estimates(body)
+    prompts = _prompt_token_estimates(body, path)
     n = body.get("n")
     n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
     max_tokens = _requested_max_tokens(body)
@@ -207,14 +210,17 @@ def _requested_max_tokens(body: dict[str, Any]) -> int | None:
     return None
 
 
-def _prompt_token_estimates(body: dict[str, Any]) -> list[int]:
+def _prompt_token_estimates(body: dict[str, Any], path: str) -> list[int]:
     """One estimate per prompt: exact for token ids, characters / CHARS_PER_TOKEN for text."""
     messages = body.get("messages")
     if isinstance(messages, list):
         return [_text_tokens(sum(_chars(message) for message in messages))]
-    if "input" in body:  # /v1/responses: the input items and the instructions
+    if path == "/v1/embeddings":
+        prompt = body.get("input")  # strings or token ids, as a completion's prompt
+    elif "input" in body:  # /v1/responses: the input items and the instructions
         return [_text_tokens(_chars(body.get("input")) + _chars(body.get("instructions")))]
-    prompt = body.get("prompt")
+    else:
+        prompt = body.get("prompt")
     if isinstance(prompt, str):
         return [_text_tokens(len(prompt))]
     if isinstance(prompt, list) and prompt:

@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from izh.api.protocol import RequestModel, parse_body
 from izh.api.responses_store import ResponseStore
-from izh.errors import EngineDead, ModelNotFound, Overloaded
+from izh.errors import EngineDead, InvalidRequest, ModelNotFound, Overloaded
 
 if TYPE_CHECKING:
     from llguidance import LLTokenizer
@@ -67,6 +67,19 @@ def check_model(state: ApiState, model: str | None) -> None:
     """A request may omit the model; naming another one is a 404 model_not_found."""
     if model and model != state.model_name:
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+
+
+def check_can_generate(state: ApiState) -> None:
+    """A generation route on a model that only embeds (an encoder) is a 400 naming `model`, before
+    anything else about the request (its chat template, say) is looked at. The input processor
+    refuses such requests too; this only says it first."""
+    if not state.llm.ready.can_generate:
+        raise InvalidRequest(
+            f"the model `{state.model_name}` is an embedding model (an encoder): it cannot generate "
+            "text; use /v1/embeddings",
+            param="model",
+            code="model_cannot_generate",
+        )
 
 
 def check_serving(request: Request) -> None:

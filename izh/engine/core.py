@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
-from izh.config import EngineConfig, default_batched_tokens
+from izh.config import CUDA_BATCHED_TOKENS, EngineConfig, default_batched_tokens
 from izh.engine.guided import GrammarManager
 from izh.engine.kv_cache import KVCacheManager
 from izh.engine.model_runner import ModelRunner
@@ -53,7 +54,13 @@ class EngineCore:
         self.scheduler = Scheduler(
             kv_cache_manager=self.kv_cache_manager,
             max_num_batched_tokens=config.max_num_batched_tokens
-            or default_batched_tokens(self.runner.device.type),
+            or (
+                # An encoder has no decode streams whose inter-token gap a long step would stretch:
+                # its default budget is the throughput one (32 inputs of 64 tokens in one forward).
+                CUDA_BATCHED_TOKENS
+                if self.runner.is_encoder
+                else default_batched_tokens(self.runner.device.type)
+            ),
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
@@ -67,6 +74,8 @@ class EngineCore:
         self._queued_ts: dict[str, float] = {}
         self._scheduled_ts: dict[str, float] = {}
         self._iteration_tokens: list[int] = []
+        self._embeddings: dict[str, bytes] = {}
+        """Pooling requests' vectors from this step, until their finishing output takes them."""
         self.last_forward_s = 0.0
         self.last_step_is_decode = False
         """Whether the last step was decodes only (one token per request): for benchmarks."""
@@ -94,6 +103,7 @@ class EngineCore:
             arrival_time=req.arrival_time,
             priority=req.priority,
             cache_salt=req.cache_salt,
+            pooling_params=req.pooling_params,
         )
         if params.structured_outputs is not None:
             self._grammar_manager().add_request(req.request_id, params.structured_outputs)
@@ -128,6 +138,16 @@ class EngineCore:
             )
         elif req.sampling_params.max_token_id() >= self.vocab_size:
             problem = f"a sampling params token id is outside [0, {self.vocab_size})"
+        elif req.pooling_params is not None and max_tokens != 0:
+            problem = f"it pools, but max_tokens is {max_tokens}, not 0"
+        elif req.pooling_params is None and self.runner.is_encoder:
+            problem = "this model is an encoder: it only takes pooling requests"
+        elif (
+            req.pooling_params is not None
+            and req.pooling_params.dimensions is not None
+            and req.pooling_params.dimensions > self.runner.model_config.hidden_size
+        ):
+            problem = f"dimensions {req.pooling_params.dimensions} > {self.runner.model_config.hidden_size}"
         if problem is not None:
             raise IzhError(f"internal error: request {req.request_id!r} was not validated: {problem}")
 
@@ -157,6 +177,8 @@ class EngineCore:
         self._iteration_tokens.append(sched.total_num_scheduled_tokens)
         if runner_out.prompt_logprobs:
             self._record_prompt_logprobs(sched, runner_out.prompt_logprobs)
+        if runner_out.embeddings:
+            self._embeddings.update(runner_out.embeddings)
         changed = self.scheduler.update_from_output(sched, runner_out.sampled_token_ids)
         failed: dict[str, str] = {}
         if self._grammar is not None and self._grammar.num_requests:
@@ -239,11 +261,13 @@ class EngineCore:
         new_token_ids = request.output_token_ids[sent:]
         self._num_sent[request.request_id] = request.num_output_tokens
         prompt_logprobs = None
+        embedding = None
         queued_ts = scheduled_ts = 0.0
         # The prompt's results go with the first output: its first token or, for a prompt-only
         # request, its end.
         if sent == 0 and (new_token_ids or (request.is_prompt_only and finish_reason == "length")):
             prompt_logprobs = self._prompt_logprobs.pop(request.request_id, None)
+            embedding = self._embeddings.pop(request.request_id, None)
             queued_ts = self._queued_ts.get(request.request_id, 0.0)
             scheduled_ts = self._scheduled_ts.get(request.request_id, 0.0)
         return EngineOutput(
@@ -257,6 +281,7 @@ class EngineCore:
             num_cached_tokens=max(0, request.num_cached_tokens),
             queued_ts=queued_ts,
             scheduled_ts=scheduled_ts,
+            embedding=embedding,
         )
 
     def _forget(self, request_id: str) -> None:
@@ -266,10 +291,22 @@ class EngineCore:
         self._requests.pop(request_id, None)
         self._num_sent.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
+        self._embeddings.pop(request_id, None)
         self._queued_ts.pop(request_id, None)
         self._scheduled_ts.pop(request_id, None)
 
     # --- utilities ------------------------------------------------------------------------------
+
+    def embedding_info(self) -> dict[str, Any]:
+        """What the frontend needs to know to validate embedding requests (Ready's pooling fields)."""
+        pooling = self.runner.pooling
+        return {
+            "can_generate": not self.runner.is_encoder,
+            "hidden_size": self.runner.model_config.hidden_size,
+            "pooling_type": pooling.pooling_type,
+            "normalize_embeddings": pooling.normalize,
+            "matryoshka_dimensions": pooling.matryoshka_dimensions,
+        }
 
     def make_stats(self) -> SchedulerStats:
         s = self.scheduler.make_stats()

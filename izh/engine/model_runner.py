@@ -25,6 +25,8 @@ from izh.model.llama import LlamaForCausalLM
 from izh.model.loader import checkpoint_quant_types, load_model
 from izh.model.packed import RECORDS_ANY_ROWS
 from izh.model.packing import pack_model_weights, resolve_quantization
+from izh.model.pooling import PoolingConfig, pool, resolve_pooling
+from izh.pooling_params import PoolingParams
 from izh.protocol import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -108,6 +110,8 @@ class RunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    embeddings: dict[str, bytes] = field(default_factory=dict)
+    """Pooling requests' vectors (float32 bytes), for those whose prompt this step completed."""
     forward_s: float = 0.0
     """Time spent in the model forward and logits (for the benchmark's step split): wall time on a CPU,
     the GPU's time between two CUDA events on CUDA (the host only enqueues the kernels there)."""
@@ -136,23 +140,37 @@ class ModelRunner:
         model, self.model_config = load_model(
             config.model, dtype=self.dtype, device=self.device, progress=progress
         )
-        # Every registered architecture is a LlamaForCausalLM (see izh.model.registry).
+        # Every registered architecture but the encoders is a LlamaForCausalLM (see izh.model.registry);
+        # an encoder (BERT) only runs forward, in the pooling path.
         self.model = cast(LlamaForCausalLM, model)
         self.model.eval()
+        self.is_encoder = self.model_config.is_encoder
+        """An encoder only embeds: no KV cache tensors, no logits, no sampling."""
+        self.pooling: PoolingConfig = resolve_pooling(
+            config.model,
+            is_encoder=self.is_encoder,
+            pooling=config.pooling,
+            normalize=config.normalize_embeddings,
+        )
         pack_model_weights(self.model, self.quantization, source_types, requested=config.quantization)
         logger.info("model loaded in %.2f s (%s, %s)", time.perf_counter() - start, self.device, self.dtype)
         if self.device.type == "cpu":
             # Build (or load the cached) fused CPU kernels now, not inside the first request.
             logger.info("fused CPU kernels: %s", "on" if cpu_ops.available() else "off (torch fallbacks)")
-        self.max_model_len = self._resolve_max_model_len(config, self.model_config)
+        self.max_model_len = self._resolve_max_model_len(config, self.model_config, self.pooling)
         self.block_size = config.block_size
         self.vocab_size = self.model_config.vocab_size
         self.num_blocks = self._resolve_num_blocks()
-        self.kv_caches = self._allocate_kv_caches()
-        self.model.bind_kv_caches(self.kv_caches)
         self.attention_backend = self._resolve_attention_backend(config.attention_backend)
-        self.model.paged_backend = get_attention_backend(self.attention_backend)
-        if self.model.prepare_fused_decode():
+        if self.is_encoder:
+            # The scheduler's block accounting still runs (one budget for every request), over blocks
+            # that hold no tensors: an encoder attends within its step and keeps nothing.
+            self.kv_caches: list[torch.Tensor] = []
+        else:
+            self.kv_caches = self._allocate_kv_caches()
+            self.model.bind_kv_caches(self.kv_caches)
+            self.model.paged_backend = get_attention_backend(self.attention_backend)
+        if not self.is_encoder and self.model.prepare_fused_decode():
             stack = self.model.fused_stack
             assert stack is not None
             limit = "any number of" if stack.max_tokens >= RECORDS_ANY_ROWS else f"<= {stack.max_tokens}"
@@ -174,9 +192,15 @@ class ModelRunner:
     # --- set-up ---------------------------------------------------------------------------------
 
     @staticmethod
-    def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    def _resolve_max_model_len(
+        config: EngineConfig, model_config: ModelConfig, pooling: PoolingConfig
+    ) -> int:
+        """--max-model-len, else the model's context: its max positions, or a sentence-transformers
+        folder's max_seq_length where that is shorter (its inputs are refused past it, not truncated)."""
         model_len = model_config.max_position_embeddings
         if config.max_model_len is None:
+            if pooling.max_seq_length is not None:
+                return min(model_len, pooling.max_seq_length)
             return model_len
         if config.max_model_len > model_len:
             raise ModelLoadError(
@@ -200,6 +224,7 @@ class ModelRunner:
         """CUDA graphs for decode batches: on CUDA with the (graph-safe) Triton backend, unless eager."""
         if (
             self.device.type != "cuda"
+            or self.is_encoder
             or self.config.enforce_eager
             or self.attention_backend != "triton_paged"
         ):
@@ -233,6 +258,8 @@ class ModelRunner:
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         useful = blocks_per_seq * self.config.max_num_seqs
         num_blocks = min(budget // per_block, useful)
+        if self.is_encoder:
+            return useful  # bookkeeping only: no KV tensors behind them
         if num_blocks < blocks_per_seq:
             raise ModelLoadError(
                 f"the KV cache budget ({budget} bytes = {num_blocks} blocks of {self.block_size} tokens) "
@@ -262,7 +289,7 @@ class ModelRunner:
         if not scheduled:
             return RunnerOutput()
         input_ids, positions, attn_metadata = self._prepare_inputs(scheduled)
-        sample_rows, prompt_rows = self._select_rows(scheduled, attn_metadata)
+        sample_rows, prompt_rows, pool_rows = self._select_rows(scheduled, attn_metadata)
         logits_rows = [i for _, i in sample_rows]
         for _, token_rows, _ in prompt_rows:
             logits_rows.extend(token_rows)
@@ -277,15 +304,16 @@ class ModelRunner:
             hidden = self.graph_runner.run(input_ids, positions, attn_metadata)
         else:
             hidden = self.model(input_ids, positions, attn_metadata)  # [num_tokens, hidden_size]
+        embeddings = self._pool(scheduled, pool_rows, hidden) if pool_rows else {}
         if not logits_rows:
             # Only prompt-only requests, none of them at a prompt-logprob row: no logits to compute.
-            out = RunnerOutput(forward_s=self._forward_time(start))
+            out = RunnerOutput(embeddings=embeddings, forward_s=self._forward_time(start))
             self._prompt_logprobs(scheduled, prompt_rows, hidden.new_empty(0, 0), out)
             return out
         logits = self.model.compute_logits(  # [len(logits_rows), vocab]
             hidden.index_select(0, index), out=self._logits_buffer(len(logits_rows))
         )
-        out = RunnerOutput(forward_s=self._forward_time(start))
+        out = RunnerOutput(embeddings=embeddings, forward_s=self._forward_time(start))
         num_sampled = len(sample_rows)
         if num_sampled:
             self._sample(scheduled, sample_rows, logits[:num_sampled], out, grammar)
@@ -357,8 +385,9 @@ class ModelRunner:
     @staticmethod
     def _select_rows(
         scheduled: list[ScheduledRequest], attn_metadata: AttentionMetadata
-    ) -> tuple[list[tuple[int, int]], list[tuple[int, list[int], list[int]]]]:
-        """Rows whose logits we need: (batch index, token row) that sample, and prompt-logprob rows.
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, list[int], list[int]]], list[tuple[int, int, int]]]:
+        """Rows whose logits we need: (batch index, token row) that sample, and prompt-logprob rows;
+        and the (batch index, first row, end row) of each pooling request (scheduled whole).
 
         A prompt row at position p gives the logprob of prompt token p + 1; position 0 has none. A
         request's first chunk is listed even without rows (a one-token prompt), for that None.
@@ -367,9 +396,13 @@ class ModelRunner:
         qsl = [0, *itertools.accumulate(attn_metadata.host_query_lens())]
         sample_rows = []
         prompt_rows = []
+        pool_rows = []
         for i, s in enumerate(scheduled):
             if s.samples:
                 sample_rows.append((i, qsl[i + 1] - 1))
+            elif s.request.pooling_params is not None:
+                assert s.num_computed_tokens_before == 0 and s.num_scheduled_tokens == s.request.num_tokens
+                pool_rows.append((i, qsl[i], qsl[i + 1]))
             if s.request.sampling_params.prompt_logprobs is None:
                 continue
             start = s.num_computed_tokens_before
@@ -380,7 +413,20 @@ class ModelRunner:
             rows = [qsl[i] + (p - start) for p in range(start, last)]
             targets = s.request.prompt_token_ids[start + 1 : last + 1]
             prompt_rows.append((i, rows, targets))
-        return sample_rows, prompt_rows
+        return sample_rows, prompt_rows, pool_rows
+
+    @staticmethod
+    def _pool(
+        scheduled: list[ScheduledRequest], pool_rows: list[tuple[int, int, int]], hidden: torch.Tensor
+    ) -> dict[str, bytes]:
+        """Each pooling request's vector from its rows of the final hidden states (izh.model.pooling)."""
+        params: list[PoolingParams] = []
+        for i, _, _ in pool_rows:
+            pooling = scheduled[i].request.pooling_params
+            assert pooling is not None
+            params.append(pooling)
+        vectors = pool(hidden, [(start, end) for _, start, end in pool_rows], params)
+        return {scheduled[i].request.request_id: v for (i, _, _), v in zip(pool_rows, vectors, strict=True)}
 
     def _sample(
         self,

@@ -13,6 +13,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from izh.pooling_params import PoolingParams
     from izh.sampling_params import SamplingParams
 
 
@@ -63,6 +64,8 @@ class Request:
     cache_salt: str | None = None
     """Isolates this request's prefix-cache entries from other tenants'."""
     lora_name: str | None = None
+    pooling_params: PoolingParams | None = None
+    """Set for an embedding request (prompt-only): pooled after its prompt is computed, in one step."""
 
     output_token_ids: list[int] = field(init=False, default_factory=list)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
@@ -122,9 +125,20 @@ class Request:
         return finish_reason(self.status)
 
     @property
+    def is_pooling(self) -> bool:
+        """An embedding request: scheduled whole (its prompt in one step, so that mean pooling sees
+        every hidden state and an encoder its whole input), pooled, and finished in that step."""
+        return self.pooling_params is not None
+
+    @property
     def skips_prefix_cache(self) -> bool:
-        """Prompt logprobs need the logits of every prompt token, so a prefix hit would lose them."""
-        return getattr(self.sampling_params, "prompt_logprobs", None) is not None
+        """Prompt logprobs need the logits of every prompt token, so a prefix hit would lose them; a
+        pooling request needs every hidden state it pools computed (and an encoder's KV is no causal
+        prefix anyone could reuse), so it neither reads nor fills the prefix cache."""
+        return (
+            self.pooling_params is not None
+            or getattr(self.sampling_params, "prompt_logprobs", None) is not None
+        )
 
     def resolve_max_tokens(self, max_model_len: int) -> None:
         """Cap max_tokens so that prompt + output never exceeds max_model_len."""

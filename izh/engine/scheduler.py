@@ -5,6 +5,12 @@ ones by policy, and each takes min(tokens still to compute, budget left): a long
 chunks, a prefix-cache hit skips its cached tokens, a decode takes one token, all from the same loop.
 When blocks run out, the lowest-priority, latest-arrival running request is preempted: its blocks are
 freed and it is recomputed later (prompt + outputs so far), usually cheaply thanks to the prefix cache.
+
+A pooling (embedding) request is the one exception to chunking: it is scheduled whole, so that it is
+computed, pooled and finished in one step (mean pooling needs every token's hidden state at once, and
+an encoder must see its whole input). It waits while the step's budget left is too small, unless it is
+the first waiting request admitted in the step: then the step runs over its budget by what it needs
+(at most max_model_len tokens), so a prompt longer than the budget is never starved.
 """
 
 from __future__ import annotations
@@ -268,12 +274,19 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests by policy until the budget, max_num_seqs or the blocks run out."""
         kv = self.kv_cache_manager
+        admitted = False
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if self.is_ready is not None and not self.is_ready(request):
                 break  # head of line keeps its place; the running requests go on meanwhile
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+            if request.is_pooling:
+                # Whole or not at all (see the module docstring): it skips the prefix cache, so it
+                # computes every token, and the first admission of a step may overrun the budget.
+                num_new_tokens = request.num_tokens - num_hit_tokens
+                if num_new_tokens > budget and admitted:
+                    break
             if kv.allocate_slots(request, num_new_tokens, computed_blocks, num_hit_tokens) is None:
                 break  # the head waits for blocks; skipping it for smaller requests could starve it
             self.waiting.pop()
@@ -284,6 +297,7 @@ class Scheduler:
             self.running.append(request)
             self._add_scheduled(output, request, num_new_tokens)
             budget -= num_new_tokens
+            admitted = True
         return budget
 
     def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new_tokens: int) -> None:

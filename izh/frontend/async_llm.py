@@ -34,6 +34,7 @@ from izh.frontend.client import EngineCoreClient
 from izh.frontend.input_processor import validate_request
 from izh.frontend.output_processor import OutputProcessor, RequestOutput, RequestState
 from izh.frontend.stats import RequestMetrics, StatLogger, StatLoggers
+from izh.pooling_params import PoolingParams
 from izh.protocol import Abort, AddRequest, EngineOutputs, Ready
 from izh.sampling_params import SamplingParams
 from izh.tokenizer import Tokenizer, load_tokenizer
@@ -400,6 +401,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         deadline_s: float | None = None,
         prompt_param: str = "prompt",
+        pooling_params: PoolingParams | None = None,
     ) -> RequestStream:
         """Validate, admit and send one request (n == 1); returns its output stream.
 
@@ -410,9 +412,14 @@ class AsyncLLM:
         current RequestScope (if any) adds its cache salt and prompt limit and collects the usage.
         Raises InvalidRequest / ContextLengthExceeded for a bad request, Overloaded when too busy,
         draining or restarting the core, EngineDead when the core is gone.
+
+        `pooling_params` makes it an embedding request (params with max_tokens 0): its finished
+        output carries the vector in `embedding`.
         """
         scope = REQUEST_SCOPE.get()
-        params = await self._validated_params(request_id, prompt_token_ids, params, prompt_param)
+        params = await self._validated_params(
+            request_id, prompt_token_ids, params, prompt_param, pooling_params
+        )
         if scope is not None:
             _check_prompt_limit(prompt_token_ids, scope.max_prompt_tokens)
         self._check_admission()
@@ -427,6 +434,7 @@ class AsyncLLM:
                 arrival_time=time.time(),
                 priority=priority,
                 cache_salt=combined_cache_salt(scope.cache_salt if scope else None, cache_salt),
+                pooling_params=pooling_params,
             )
         )
         if scope is not None:
@@ -472,7 +480,12 @@ class AsyncLLM:
         self._abort_request(request_id)
 
     async def _validated_params(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt_param: str
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt_param: str,
+        pooling_params: PoolingParams | None = None,
     ) -> SamplingParams:
         """What only AsyncLLM knows (ids in flight, one sequence), then the one validation point.
 
@@ -492,6 +505,10 @@ class AsyncLLM:
             vocab_size=ready.vocab_size,
             max_model_len=ready.max_model_len,
             prompt_param=prompt_param,
+            pooling_params=pooling_params,
+            can_generate=ready.can_generate,
+            hidden_size=ready.hidden_size,
+            matryoshka_dimensions=ready.matryoshka_dimensions,
         )
         if params.structured_outputs is None:
             return validate()

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from izh.errors import ContextLengthExceeded, InvalidRequest
 from izh.guided_spec import validate_spec
+from izh.pooling_params import PoolingParams
 from izh.sampling_params import SamplingParams
 
 
@@ -28,8 +29,16 @@ def validate_request(
     vocab_size: int,
     max_model_len: int,
     prompt_param: str = "prompt",
+    pooling_params: PoolingParams | None = None,
+    can_generate: bool = True,
+    hidden_size: int = 0,
+    matryoshka_dimensions: Sequence[int] | None = None,
 ) -> SamplingParams:
     """Check one request (n == 1) against the model; returns its params with max_tokens resolved.
+
+    An embedding request (`pooling_params` set, max_tokens 0) has its `dimensions` checked against
+    the model (`validate_pooling`); a generation request to a model that cannot generate (an
+    encoder: `can_generate` False) is refused, naming `model`.
 
     In this order: the prompt (non-empty, every id in [0, vocab_size)); the context length (a
     max_tokens None becomes the room the prompt leaves); the vocabulary-dependent sampling params
@@ -40,6 +49,18 @@ def validate_request(
     errors about the prompt name it, as the OpenAI API does. Raises InvalidRequest, or
     ContextLengthExceeded when the prompt plus max_tokens do not fit `max_model_len`.
     """
+    if pooling_params is not None:
+        validate_pooling(pooling_params, hidden_size=hidden_size, matryoshka_dimensions=matryoshka_dimensions)
+        if params.max_tokens != 0:
+            raise InvalidRequest(
+                "an embedding request generates no tokens (max_tokens 0)", param="max_tokens"
+            )
+    elif not can_generate:
+        raise InvalidRequest(
+            "this model is an embedding model (an encoder): it cannot generate text; use /v1/embeddings",
+            param="model",
+            code="model_cannot_generate",
+        )
     check_prompt_token_ids(prompt_token_ids, vocab_size, prompt_param)
     params = resolve_context(len(prompt_token_ids), params, max_model_len, prompt_param)
     params.validate_vocab(vocab_size)
@@ -99,3 +120,27 @@ def resolve_context(
             param="max_tokens",
         )
     return params
+
+
+def validate_pooling(
+    pooling: PoolingParams, *, hidden_size: int, matryoshka_dimensions: Sequence[int] | None
+) -> None:
+    """InvalidRequest(param="dimensions") unless the model may return `pooling.dimensions` values: it
+    must declare Matryoshka training (config.json's `matryoshka_dimensions` or `is_matryoshka`), and
+    the size must be one it lists (or any up to the hidden size, for `is_matryoshka`)."""
+    dims = pooling.dimensions
+    if dims is None:
+        return
+    if matryoshka_dimensions is None:
+        raise InvalidRequest(
+            "this model does not support the dimensions parameter: it declares no Matryoshka "
+            f"embeddings, so its vectors have {hidden_size} values and cannot be shortened",
+            param="dimensions",
+        )
+    if dims > hidden_size:
+        raise InvalidRequest(f"dimensions must be at most {hidden_size}, got {dims}", param="dimensions")
+    if matryoshka_dimensions and dims not in matryoshka_dimensions:
+        raise InvalidRequest(
+            f"dimensions must be one of {', '.join(map(str, matryoshka_dimensions))} for this model, got {dims}",
+            param="dimensions",
+        )

@@ -62,9 +62,13 @@ class RequestOutput:
     error: str | None = None
     """For finish_reason "error": why the request failed."""
     error_code: int = 0
+    embedding: bytes | None = None
+    """An embedding request's vector (little-endian float32), on its finished output."""
 
     def merge(self, later: RequestOutput) -> None:
         """Fold a later output of the same request into this undelivered one."""
+        if later.embedding is not None:
+            self.embedding = later.embedding
         self.text += later.text
         self.token_ids.extend(later.token_ids)
         if later.logprobs is not None:
@@ -197,6 +201,7 @@ class OutputProcessor:
             out.logprobs = [self._position(lp) for lp in eo.new_logprobs]
         if eo.prompt_logprobs is not None:
             out.prompt_logprobs = [None if lp is None else self._position(lp) for lp in eo.prompt_logprobs]
+        out.embedding = eo.embedding
         if out.finished:
             self._finish(state, finish_reason, now)
         return out

@@ -20,6 +20,7 @@ _HF_ARCH_TO_TYPE = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "BertModel": "bert",
 }
 
 
@@ -45,6 +46,11 @@ class ModelConfig:
     """Bias on the q/k/v projections (and on o_proj for llama and qwen3, as in transformers)."""
     qk_norm: bool
     """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+    is_encoder: bool = False
+    """A bidirectional encoder (BERT): no causal mask, no KV cache, no LM head; it only embeds.
+    `rms_norm_eps` then holds its LayerNorm's eps, and `rope_theta` is unused."""
+    hidden_act: str = "silu"
+    type_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -65,6 +71,8 @@ class ModelConfig:
     def from_hf_config(cls, d: Mapping[str, Any]) -> ModelConfig:
         """Build from a parsed Hugging Face config.json; raises ModelLoadError for unsupported features."""
         architecture = _hf_architecture(d)
+        if architecture == "bert":
+            return cls._from_hf_bert_config(d)
         _reject_unsupported_hf_features(d)
         try:
             hidden_size = int(d["hidden_size"])
@@ -86,6 +94,41 @@ class ModelConfig:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=True if architecture == "qwen2" else bool(d.get("attention_bias", False)),
                 qk_norm=architecture == "qwen3",
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"config.json lacks the required field {e.args[0]!r}") from e
+
+    @classmethod
+    def _from_hf_bert_config(cls, d: Mapping[str, Any]) -> ModelConfig:
+        position_type = d.get("position_embedding_type", "absolute")
+        if position_type != "absolute":
+            raise ModelLoadError(
+                f"position_embedding_type {position_type!r} is not supported (only 'absolute')"
+            )
+        if d.get("is_decoder"):
+            raise ModelLoadError("is_decoder=true is not supported for BERT (izh serves BERT as an encoder)")
+        try:
+            hidden_size = int(d["hidden_size"])
+            num_heads = int(d["num_attention_heads"])
+            return cls(
+                architecture="bert",
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden_size,
+                intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=num_heads,
+                num_key_value_heads=num_heads,
+                head_dim=hidden_size // num_heads,
+                rms_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
+                rope_theta=0.0,
+                rope_scaling=None,
+                max_position_embeddings=int(d.get("max_position_embeddings", 512)),
+                tie_word_embeddings=False,
+                attention_bias=True,
+                qk_norm=False,
+                is_encoder=True,
+                hidden_act=str(d.get("hidden_act", "gelu")),
+                type_vocab_size=int(d.get("type_vocab_size", 2)),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks the required field {e.args[0]!r}") from e

@@ -1,4 +1,5 @@
-"""Loading a model from a Hugging Face folder (config.json + safetensors) or a single GGUF file."""
+"""Loading a model from a Hugging Face folder (config.json + safetensors, or an older
+pytorch_model.bin read with weights_only) or a single GGUF file."""
 
 from __future__ import annotations
 
@@ -80,7 +81,12 @@ def load_model(
             tensors: list[CheckpointTensor] = list(gguf_loader.gguf_checkpoint_tensors(file, config))
         else:
             config = ModelConfig.from_hf_config(_read_hf_config(path))
-            tensors = list(_safetensors_checkpoint_tensors(path, files))
+            if _pytorch_bin_only(path):
+                tensors = list(_pytorch_bin_checkpoint_tensors(path))
+            else:
+                tensors = list(_safetensors_checkpoint_tensors(path, files))
+            if config.is_encoder:
+                tensors = _encoder_tensors(tensors)
         get_model_class(config.architecture)
         with torch.device(device):
             model = build_model(config, dtype=dtype)
@@ -96,6 +102,22 @@ def load_model(
         time.perf_counter() - start_s,
     )
     return model, config
+
+
+_ENCODER_UNUSED = ("pooler.", "cls.", "embeddings.position_ids")
+"""BERT checkpoint tensors izh does not use: the [CLS] pooler and the pre-training heads (embeddings
+pool their own way, izh.model.pooling), and a saved position-ids buffer."""
+
+
+def _encoder_tensors(tensors: list[CheckpointTensor]) -> list[CheckpointTensor]:
+    """A BERT checkpoint under BertModel's names: a `bert.` prefix stripped, unused tensors skipped."""
+    kept = []
+    for t in tensors:
+        name = t.name.removeprefix("bert.")
+        if name.startswith(_ENCODER_UNUSED):
+            continue
+        kept.append(CheckpointTensor(name=name, shape=t.shape, source=t.source, read=t.read))
+    return kept
 
 
 def _check_exists(path: str) -> None:
@@ -131,6 +153,38 @@ def _safetensors_files(folder: str) -> list[Path]:
         if not f.is_file():
             raise ModelLoadError(f"weight shard {f} (listed in {_SAFETENSORS_INDEX}) is missing")
     return files
+
+
+_PYTORCH_BIN = "pytorch_model.bin"
+
+
+def _pytorch_bin_only(folder: str) -> bool:
+    """A folder with transformers' older single-file pickle checkpoint and no safetensors (many
+    sentence-transformers models on the Hub)."""
+    root = Path(folder)
+    return (
+        (root / _PYTORCH_BIN).is_file()
+        and not (root / _SAFETENSORS_INDEX).is_file()
+        and not any(root.glob("*.safetensors"))
+    )
+
+
+def _pytorch_bin_checkpoint_tensors(folder: str) -> Iterator[CheckpointTensor]:
+    """The tensors of pytorch_model.bin, read with `weights_only=True` (tensors and plain containers
+    only: a pickle that would run code is refused) and memory-mapped."""
+    file = Path(folder) / _PYTORCH_BIN
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # an unpicklable or malicious file, a truncated one
+        raise ModelLoadError(f"cannot read {file} (as weights only): {e}") from e
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ModelLoadError(f"{file} does not hold a state dict of tensors")
+    for name, tensor in state.items():
+        yield CheckpointTensor(name=name, shape=tuple(tensor.shape), source=file.name, read=_constant(tensor))
+
+
+def _constant(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: tensor
 
 
 def _safetensors_checkpoint_tensors(folder: str, files: ExitStack) -> Iterator[CheckpointTensor]:

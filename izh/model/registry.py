@@ -9,6 +9,7 @@ from torch import Tensor
 
 from izh.errors import ModelLoadError
 from izh.model.attention import AttentionMetadata
+from izh.model.bert import BertModel
 from izh.model.config import ModelConfig
 from izh.model.llama import LlamaForCausalLM
 from izh.model.qwen2 import Qwen2ForCausalLM
@@ -27,19 +28,21 @@ class CausalLM(Protocol):
     def bind_kv_caches(self, kv_caches: list[Tensor] | None) -> None: ...
 
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM] | type[BertModel]] = {
     # Hugging Face config.json `architectures`
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "BertModel": BertModel,
     # GGUF `general.architecture`, also ModelConfig.architecture
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "bert": BertModel,
 }
 
 
-def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
+def get_model_class(architecture: str) -> type[LlamaForCausalLM] | type[BertModel]:
     """The class for an architecture name; an unknown one raises ModelLoadError listing the supported."""
     try:
         return MODEL_REGISTRY[architecture]
@@ -49,6 +52,6 @@ def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
         ) from None
 
 
-def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM | BertModel:
     """An uninitialized model (parameters allocated, not loaded) on the current default device."""
     return get_model_class(config.architecture)(config, dtype=dtype)

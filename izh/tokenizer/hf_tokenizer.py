@@ -32,6 +32,10 @@ def load_hf_tokenizer(folder: str | Path) -> Tokenizer:
         backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
     except Exception as exc:
         raise ModelLoadError(f"cannot load {tokenizer_file}: {exc}") from exc
+    # Some tokenizer.json files (sentence-transformers' BERT ones) carry truncation and padding
+    # settings; izh never cuts or pads silently: a too-long prompt is refused where it is validated.
+    backend.no_truncation()
+    backend.no_padding()
     config = _read_json(folder / "tokenizer_config.json")
     special_tokens = _special_tokens(config, _read_json(folder / "special_tokens_map.json"))
     return Tokenizer(

@@ -1,4 +1,5 @@
-"""`izh bench`: stream requests at a server and report TTFT, TPOT, ITL, E2E latency and throughput.
+"""`izh bench`: stream requests at a server and report TTFT, TPOT, ITL, E2E latency and throughput
+(or, with `--endpoint embeddings`, requests/s and input tokens/s of /v1/embeddings: izh_cli.bench.embeddings).
 
 Only Typer, the stdlib and izh_cli._common at import time (``izh bench --help`` is instant); httpx, Rich
 and the benchmark modules are imported inside the command.
@@ -50,7 +51,7 @@ class BenchOptions:
     url: str
     model: str | None
     api_key: str | None
-    endpoint: Literal["chat", "completions"]
+    endpoint: Literal["chat", "completions", "embeddings"]
     levels: tuple[int, ...]
     requests: int | None
     duration_s: float | None
@@ -61,6 +62,8 @@ class BenchOptions:
     temperature: float
     slo: dict[str, float]
     timeout_s: float
+    batch_size: int = 1
+    """Inputs per /v1/embeddings request."""
 
     def requests_for(self, concurrency: int) -> int | None:
         """Requests per level: --requests, else none with --duration, else 4 × concurrency (at least 32)."""
@@ -92,9 +95,21 @@ def bench(
     model: ModelOption = None,
     api_key: ApiKeyOption = None,
     endpoint: Annotated[
-        Literal["chat", "completions"],
-        typer.Option("--endpoint", help="/v1/chat/completions or /v1/completions."),
+        Literal["chat", "completions", "embeddings"],
+        typer.Option(
+            "--endpoint",
+            help="/v1/chat/completions, /v1/completions, or /v1/embeddings (requests/s and input tokens/s).",
+        ),
     ] = "completions",
+    batch_size: Annotated[
+        int,
+        typer.Option(
+            "--batch-size",
+            min=1,
+            help="Inputs per request (--endpoint embeddings only).",
+            rich_help_panel=_PANEL_LOAD,
+        ),
+    ] = 1,
     concurrency: Annotated[
         str,
         typer.Option(
@@ -255,8 +270,23 @@ def bench(
     options = _validated(
         url=url, model=model, api_key=api_key, endpoint=endpoint, concurrency=concurrency, requests=requests,
         duration=duration, request_rate=request_rate, burstiness=burstiness, spec=spec, ignore_eos=ignore_eos,
-        temperature=temperature, slo=slo, timeout=timeout,
+        temperature=temperature, slo=slo, timeout=timeout, batch_size=batch_size,
     )  # fmt: skip
+    if endpoint == "embeddings":
+        if plot or compare_with is not None or slo is not None or duration is not None:
+            fail(
+                "--plot, --compare, --slo and --duration apply to generation, not --endpoint embeddings",
+                "see `izh bench --help`.",
+                EXIT_USAGE,
+            )
+        try:
+            document = asyncio.run(_bench_embeddings(options))
+        except BenchError as exc:
+            fail(exc.message, exc.hint)
+        _output_embeddings(document, out=out, json_output=json_output)
+        if document["interrupted"]:
+            raise typer.Exit(EXIT_INTERRUPTED)
+        return
     old = _load_compare(compare_with)
     if plot and importlib.util.find_spec("matplotlib") is None:
         fail("--plot needs matplotlib, which is not installed", "pip install matplotlib", EXIT_USAGE)
@@ -283,6 +313,8 @@ def _validated(*, concurrency: str, slo: str | None, spec: DatasetSpec, **values
             raise ValueError("--requests and --duration exclude each other")
         if values["request_rate"] <= 0 or values["burstiness"] <= 0:
             raise ValueError("--request-rate and --burstiness must be positive")
+        if values["batch_size"] != 1 and values["endpoint"] != "embeddings":
+            raise ValueError("--batch-size applies to --endpoint embeddings only")
     except ValueError as exc:
         fail(str(exc), "see `izh bench --help`.", EXIT_USAGE)
     duration = values.pop("duration")
@@ -332,6 +364,84 @@ async def _bench(options: BenchOptions) -> dict[str, Any]:
     document = result_document(server=server, config=config, runs=runs, interrupted=interrupted)
     document["probe"] = probe
     return document
+
+
+async def _bench_embeddings(options: BenchOptions) -> dict[str, Any]:
+    """The embeddings benchmark: the same discovery and dataset as generation, then each level."""
+    import httpx
+
+    from izh_cli.bench import embeddings
+    from izh_cli.bench.report import result_document
+    from izh_cli.bench.runner import make_clients
+    from izh_cli.http import auth_headers, resolve_urls
+
+    urls = resolve_urls(options.url)
+    url = f"{urls.api}/embeddings"
+    timeout = httpx.Timeout(options.timeout_s, connect=min(options.timeout_s, 10.0))
+    clients = make_clients(max(options.levels), headers=auth_headers(options.api_key), timeout=timeout)
+    runs: list[dict[str, Any]] = []
+    interrupted = False
+    async with contextlib.AsyncExitStack() as stack:
+        for client in clients:
+            await stack.enter_async_context(client)
+        server = await _server_info(clients[0], urls)
+        model = options.model or _first_model(server)
+        server["model"] = model
+        tokenizer, samples = await _prepare(clients[0], urls, model, options)
+        probe, _, _ = await embeddings.run_level(
+            clients[:1], url, model, samples[:1], concurrency=1, num_requests=1, batch_size=1
+        )
+        if probe[0].error is not None:
+            raise BenchError(
+                f"a test request to {url} failed: {probe[0].error}",
+                "check --model and --api-key; the server must serve embeddings (llama-server: --embeddings).",
+            )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        handler_installed = _install_sigint(loop, stop)
+        try:
+            for level in options.levels:
+                num_requests = options.requests_for(level)
+                assert num_requests is not None  # --duration is refused for embeddings
+                from izh_cli._common import stderr_console
+
+                with stderr_console().status(f"concurrency {level}: {num_requests} requests..."):
+                    records, duration_s, interrupted = await embeddings.run_level(
+                        clients, url, model, samples, concurrency=level, num_requests=num_requests,
+                        batch_size=options.batch_size, stop=stop,
+                    )  # fmt: skip
+                runs.append(embeddings.run_entry(level, options.batch_size, records, duration_s, interrupted))
+                if interrupted:
+                    break
+        finally:
+            if handler_installed:
+                loop.remove_signal_handler(signal.SIGINT)
+    config = _config_dict(options, tokenizer is not None)
+    config["batch_size"] = options.batch_size
+    return result_document(server=server, config=config, runs=runs, interrupted=interrupted)
+
+
+def _output_embeddings(document: dict[str, Any], *, out: Path | None, json_output: bool) -> None:
+    import json
+
+    from rich.console import Console
+
+    from izh_cli._common import stderr_console
+    from izh_cli.bench import embeddings
+    from izh_cli.bench.report import errors_table, save_document, summary_document
+
+    path = save_document(document, out)
+    if json_output:
+        summary = summary_document(document)
+        summary["result_path"] = str(path)
+        typer.echo(json.dumps(summary, indent=1))
+        return
+    console = Console()
+    console.print(embeddings.table(document["runs"]))
+    for run in document["runs"]:
+        if run["errors"]:
+            console.print(errors_table(run["errors"], f"Errors at concurrency {run['concurrency']}"))
+    stderr_console().print(f"[dim]Result: {path}[/]")
 
 
 async def _server_info(client: httpx.AsyncClient, urls: Any) -> dict[str, Any]:

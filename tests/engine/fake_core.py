@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from izh.config import EngineConfig
 from izh.errors import IzhError, ModelLoadError
@@ -196,6 +196,9 @@ class FakeEngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return True
+
+    def embedding_info(self) -> dict[str, Any]:
+        return {}  # Ready's defaults: a decoder that generates
 
     def kv_block_states(self) -> list[int]:
         """One "block" per running request (so a test can see an abort free it)."""

