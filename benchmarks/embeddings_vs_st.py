@@ -12,8 +12,10 @@ never run at once: each round runs both, the order flipped every round, and the 
 sentence-transformers runs. Reported: texts/s and input tokens/s of each (median over rounds), their
 ratio, and the smallest cosine similarity between izh's and sentence-transformers' vectors. A third
 runner, izh offline (`izh.LLM.embed` in this process, the same engine without HTTP), separates the
-engine's speed from the serving's. One JSON goes under bench_results/ (machine, CPU model and
-flags, commands, every round).
+engine's speed from the serving's. With `--llama-server BIN --llama-gguf FILE` (the same model
+converted by llama.cpp's convert_hf_to_gguf.py, f32), llama.cpp's `llama-server --embeddings` is a
+fourth runner, sent the same requests as izh serve. One JSON goes under bench_results/ (machine, CPU
+model and flags, commands, every round).
 """
 
 from __future__ import annotations
@@ -188,7 +190,12 @@ def _sha() -> str:
 
 
 async def _izh_round(
-    url: str, texts: list[str], concurrency: int, per_request: int, model: str = "model"
+    url: str,
+    texts: list[str],
+    concurrency: int,
+    per_request: int,
+    model: str = "model",
+    encoding_format: str = "base64",
 ) -> dict[str, Any]:
     import httpx
 
@@ -202,7 +209,7 @@ async def _izh_round(
     try:
         records, duration_s, _ = await embeddings.run_level(
             clients, f"{url}/v1/embeddings", model, samples, concurrency=concurrency,
-            num_requests=num_requests, batch_size=per_request, encoding_format="base64",
+            num_requests=num_requests, batch_size=per_request, encoding_format=encoding_format,
         )  # fmt: skip
     finally:
         for client in clients:
@@ -254,8 +261,12 @@ def main() -> None:
     parser.add_argument("--inputs-per-request", type=int, default=1, help="texts per izh request")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--izh-arg", action="append", default=[], help="extra `izh serve` argument")
+    parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (optional)")
+    parser.add_argument("--llama-gguf", default=None, help="the model as a GGUF, for --llama-server")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if bool(args.llama_server) != bool(args.llama_gguf):
+        parser.error("--llama-server and --llama-gguf go together")
 
     from izh.hub import default_cache_dir, resolve_model
 
@@ -280,19 +291,49 @@ def main() -> None:
     )
     log = open(f"/tmp/embeddings_vs_st-{port}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(izh_cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    runners = ["izh", "sentence-transformers", "izh-offline"]
+    llama_cmd: list[str] | None = None
+    llama: subprocess.Popen[bytes] | None = None
+    llama_url = ""
+    if args.llama_server:
+        llama_port = _free_port()
+        llama_url = f"http://127.0.0.1:{llama_port}"
+        threads = str(os.cpu_count() or 1)
+        llama_cmd = [
+            args.llama_server, "-m", args.llama_gguf, "--host", "127.0.0.1", "--port", str(llama_port),
+            "--embeddings", "--pooling", "mean", "-np", str(args.concurrency), "-c",
+            str(512 * args.concurrency), "-b", "8192", "-ub", "8192", "-t", threads, "-tb", threads,
+            "--no-webui",
+        ]  # fmt: skip
+        llama_log = open(f"/tmp/embeddings_vs_st-llama-{llama_port}.log", "wb")  # noqa: SIM115
+        llama = subprocess.Popen(
+            llama_cmd, stdout=llama_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+        runners.append("llama.cpp")
     rounds: list[dict[str, Any]] = []
     try:
         _wait(f"{url}/ready", proc)
+        if llama is not None:
+            _wait(f"{llama_url}/health", llama)
         # Warm both up (first-call allocations, kernel choices) and check they agree.
         want = st.encode(texts[:64], batch_size=32)
         got = _izh_vectors(url, texts[:64])
         cosines = (got * want).sum(axis=1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
         min_cosine = float(cosines.min())
         for r in range(args.rounds):
-            order = ["izh", "sentence-transformers", "izh-offline"]
-            for name in order if r % 2 == 0 else order[::-1]:
+            for name in runners if r % 2 == 0 else runners[::-1]:
                 if name == "izh":
                     result = asyncio.run(_izh_round(url, texts, args.concurrency, args.inputs_per_request))
+                elif name == "llama.cpp":
+                    result = asyncio.run(
+                        _izh_round(
+                            llama_url,
+                            texts,
+                            args.concurrency,
+                            args.inputs_per_request,
+                            encoding_format="float",
+                        )
+                    )
                 elif name == "izh-offline":
                     result = _offline_round(offline, texts, tokens)
                 else:
@@ -300,14 +341,17 @@ def main() -> None:
                 rounds.append({"round": r, "runner": name, **result})
                 print(json.dumps(rounds[-1]), flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for server in (proc, llama):
+            if server is None:
+                continue
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
 
     summary: dict[str, Any] = {}
-    for name in ("izh", "sentence-transformers", "izh-offline"):
+    for name in runners:
         mine = [x for x in rounds if x["runner"] == name]
         summary[name] = {
             "texts_per_s": statistics.median(x["texts_per_s"] for x in mine),
@@ -331,6 +375,7 @@ def main() -> None:
         },
         "model": folder,
         "izh_command": izh_cmd,
+        "llama_command": llama_cmd,
         "st_command": st_command,
         "texts": {"count": len(texts), "seed": args.seed, "tokens": tokens},
         "izh_load": {"concurrency": args.concurrency, "inputs_per_request": args.inputs_per_request},
@@ -342,7 +387,7 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {out}\n")
     print(f"{'runner':24} {'texts/s':>10} {'tokens/s':>10}")
-    for name in ("izh", "sentence-transformers", "izh-offline"):
+    for name in runners:
         print(f"{name:24} {summary[name]['texts_per_s']:10.1f} {summary[name]['tokens_per_s']:10.1f}")
     print(f"izh / sentence-transformers: {summary['ratio_izh_to_st']:.2f}; min cosine {min_cosine:.6f}")
 

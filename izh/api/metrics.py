@@ -56,6 +56,10 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
+API_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
+"""The routes izh:api_requests_total counts, each exported from the start."""
+
+
 class PrometheusStatLogger:
     """The StatLogger that feeds the `izh:` metrics, and the text /metrics serves.
 
@@ -169,6 +173,8 @@ class PrometheusStatLogger:
             [*LABELS, "endpoint"],
             registry=self.registry,
         )
+        for endpoint in API_ENDPOINTS:  # every series exists from the start, at 0
+            self.api_requests.labels(*self._labels, endpoint)
         self.request_params_max_tokens = self._histogram(
             "izh:request_params_max_tokens", "Histogram of the max_tokens request parameter.", size_buckets
         )
