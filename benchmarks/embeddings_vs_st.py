@@ -27,18 +27,20 @@ import os
 import platform
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from izh_cli.bench.report import cpu_model_and_flags
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import free_port, wait_ok  # noqa: E402
+from izh_cli.bench.report import cpu_model_and_flags  # noqa: E402
 
 WORDS = [
     "the",
@@ -163,27 +165,6 @@ def _texts(count: int, seed: int) -> list[str]:
     return texts
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(url: str, proc: subprocess.Popen[bytes], seconds: float = 300) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"izh serve exited with {proc.returncode} before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer within {seconds} s")
-
-
 def _sha() -> str:
     run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
     return run.stdout.strip()
@@ -273,7 +254,7 @@ def main() -> None:
     folder = str(resolve_model(args.model, default_cache_dir()))
     texts = _texts(args.num_texts, args.seed)
     izh = shutil.which("izh") or str(Path(sys.executable).with_name("izh"))
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     izh_cmd = [izh, "serve", folder, "--served-model-name", "model", "--port", str(port), "--log-level", "warning", *args.izh_arg]  # fmt: skip
     st_command = f"SentenceTransformer({folder!r}, device='cpu').encode(texts, batch_size=32)"
@@ -296,7 +277,7 @@ def main() -> None:
     llama: subprocess.Popen[bytes] | None = None
     llama_url = ""
     if args.llama_server:
-        llama_port = _free_port()
+        llama_port = free_port()
         llama_url = f"http://127.0.0.1:{llama_port}"
         threads = str(os.cpu_count() or 1)
         llama_cmd = [
@@ -312,9 +293,9 @@ def main() -> None:
         runners.append("llama.cpp")
     rounds: list[dict[str, Any]] = []
     try:
-        _wait(f"{url}/ready", proc)
+        wait_ok(f"{url}/ready", proc)
         if llama is not None:
-            _wait(f"{llama_url}/health", llama)
+            wait_ok(f"{llama_url}/health", llama)
         # Warm both up (first-call allocations, kernel choices) and check they agree.
         want = st.encode(texts[:64], batch_size=32)
         got = _izh_vectors(url, texts[:64])

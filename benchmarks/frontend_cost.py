@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import free_port  # noqa: E402
 from benchmarks.offline_throughput import write_record  # noqa: E402
 
 
@@ -41,12 +41,6 @@ def core_pid(server_pid: int) -> int:
         if b"multiprocessing" in cmdline and b"resource_tracker" not in cmdline:
             return int(pid)
     raise RuntimeError("no engine core process found")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def offline_decode_step_ms(model: str, batch: int, input_len: int, steps: int) -> float:

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,17 +33,12 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import free_port  # noqa: E402
 from benchmarks.offline_throughput import write_record  # noqa: E402
 from izh_cli.bench.report import cpu_model_and_flags  # noqa: E402
 
 ENDPOINTS = ("/health", "/metrics", "/v1/izh/stats")
 REQUEST_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_info() -> dict[str, Any]:

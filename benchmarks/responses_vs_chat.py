@@ -32,7 +32,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.frontend_cost import cpu_seconds, free_port  # noqa: E402
+from benchmarks.common import free_port  # noqa: E402
+from benchmarks.frontend_cost import cpu_seconds  # noqa: E402
 from benchmarks.offline_throughput import write_record  # noqa: E402
 from izh_cli.bench.report import cpu_model_and_flags  # noqa: E402
 

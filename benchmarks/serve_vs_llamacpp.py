@@ -18,15 +18,17 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
-from izh_cli.bench.report import cpu_model_and_flags
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import free_port, wait_ok  # noqa: E402
+from izh_cli.bench.report import cpu_model_and_flags  # noqa: E402
 
 LEVELS = [
     # (name, concurrency, requests, input tokens, output tokens)
@@ -35,27 +37,6 @@ LEVELS = [
     ("32 streams", 32, 64, 126, 128),
     ("8 streams, ~1,000-token prompts", 8, 16, 1000, 128),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(url: str, proc: subprocess.Popen[bytes], seconds: float = 300) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer within {seconds} s")
 
 
 def _cpu() -> dict[str, str]:
@@ -123,13 +104,13 @@ def main() -> None:
     izh = shutil.which("izh") or str(Path(sys.executable).with_name("izh"))
     threads = str(os.cpu_count() or 1)
     levels = LEVELS if args.levels == "all" else [LEVELS[int(i)] for i in args.levels.split(",")]
-    izh_port, llama_port = _free_port(), _free_port()
+    izh_port, llama_port = free_port(), free_port()
     izh_cmd = [izh, "serve", args.gguf, "--served-model-name", "smollm2", "--port", str(izh_port), "--log-level", "warning", *args.izh_arg]  # fmt: skip
     llama_cmd = [
         args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(llama_port), "-a", "smollm2",
         "-c", "65536", "-np", "32", "-kvu", "-cb", "-t", threads, "-tb", threads, "--no-webui",
     ]  # fmt: skip
-    base_port = _free_port()
+    base_port = free_port()
     base_cmd = [sys.executable, "-m", "izh_cli.main", *izh_cmd[1:]]
     base_cmd[base_cmd.index("--port") + 1] = str(base_port)
     base_env = {**os.environ, "PYTHONPATH": str(Path(args.baseline or ".").resolve())}
@@ -147,7 +128,7 @@ def main() -> None:
             procs.append(
                 subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
             )
-            _wait(f"http://127.0.0.1:{port}/health", procs[-1])
+            wait_ok(f"http://127.0.0.1:{port}/health", procs[-1])
             servers[name] = f"http://127.0.0.1:{port}/v1"
         for r in range(args.rounds):
             seed = args.seed + r
