@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -550,8 +551,16 @@ def test_metrics_and_the_request_log_cover_the_endpoint(
 ) -> None:
     caplog.set_level(logging.INFO, logger="izh.request")
     response = client.responses.create(model=MODEL, input="Count me", max_output_tokens=3, temperature=0)
-    lines = [r.fields for r in caplog.records if r.name == "izh.request" and hasattr(r, "fields")]
-    (line,) = [line for line in lines if line["path"] == "/v1/responses"]
+
+    def logged() -> list[dict[str, Any]]:
+        lines = [r.fields for r in caplog.records if r.name == "izh.request" and hasattr(r, "fields")]
+        return [line for line in lines if line["path"] == "/v1/responses"]
+
+    # The line is written once the response is out, so the client can see the response first.
+    deadline = time.monotonic() + 30
+    while not logged() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (line,) = logged()
     assert response.usage is not None
     assert line["prompt_tokens"] == response.usage.input_tokens
     assert line["completion_tokens"] == response.usage.output_tokens

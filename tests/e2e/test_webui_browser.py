@@ -363,6 +363,10 @@ def test_phone_width_and_dark_theme(browser: Any, server: RealServer, artifacts:
         context.close()
 
 
+REQUESTS, OUTPUT_LEN = 12, 96
+"""izh bench's load for the dashboard test."""
+
+
 def test_the_dashboard_moves_under_load(
     page: Any, server: RealServer, artifacts: Path, tmp_path: Path
 ) -> None:
@@ -372,15 +376,17 @@ def test_the_dashboard_moves_under_load(
     generated = float(page.get_attribute("#gen-total", "data-value"))
     finished = _finished(page)
     cmd = [sys.executable, "-m", "izh_cli.main", "bench", "--url", server.url, "--api-key", API_KEY]
+    # Long enough (4 waves of 3 streams x 96 tokens, a few seconds) that the page's once-a-second
+    # polls see requests running, not only their totals afterwards.
     cmd += [
         "-n",
-        "4",
+        str(REQUESTS),
         "-c",
-        "2",
+        "3",
         "--input-len",
         "32",
         "--output-len",
-        "24",
+        str(OUTPUT_LEN),
         "--ignore-eos",
         "--out",
         str(tmp_path),
@@ -395,13 +401,15 @@ def test_the_dashboard_moves_under_load(
             bench.kill()
             bench.wait()
     assert bench.returncode == 0, stderr
-    # bench's requests plus its one probe: at least 4 × 24 more generated tokens, 4 more finished.
+    # bench's requests plus its one probe: at least REQUESTS x OUTPUT_LEN more generated tokens, REQUESTS
+    # more finished.
     page.wait_for_function(
-        f"() => Number(document.getElementById('gen-total').dataset.value) >= {generated + 96}"
+        "() => Number(document.getElementById('gen-total').dataset.value)"
+        f" >= {generated + REQUESTS * OUTPUT_LEN}"
     )
     page.wait_for_function(
         "() => [...document.querySelectorAll('[data-reason]')].reduce((s, e) => s + Number(e.dataset.value), 0)"
-        f" >= {finished + 4}"
+        f" >= {finished + REQUESTS}"
     )
     assert page.inner_text("[data-latency='ttft-p50-window']") != "—"
     assert float(page.get_attribute("#kv-usage", "data-value")) >= 0
