@@ -15,7 +15,7 @@ from izh.engine.core import EngineCore
 from izh.errors import InvalidRequest
 from izh.frontend.input_processor import validate_request
 from izh.frontend.output_processor import OutputProcessor, PositionLogprobs, RequestState
-from izh.pooling_params import PoolingParams
+from izh.pooling_params import PoolingParams, embedding_floats
 from izh.protocol import AddRequest
 from izh.sampling_params import SamplingParams
 from izh.tokenizer import Tokenizer, load_tokenizer
@@ -180,9 +180,6 @@ class LLM:
         path as the server's /v1/embeddings: the model's pooling and normalization, `dimensions` only
         where the model declares Matryoshka sizes. Inputs are strings (tokenized with the special
         tokens) or {"prompt_token_ids": [...]}."""
-        import array
-        import sys
-
         info = self.engine_core.embedding_info()
         pooling = PoolingParams(
             pooling_type=info["pooling_type"], normalize=info["normalize_embeddings"], dimensions=dimensions
@@ -208,10 +205,7 @@ class LLM:
                 result = results.get(out.request_id)
                 if result is None or out.embedding is None:
                     continue
-                values = array.array("f", out.embedding)
-                if sys.byteorder == "big":
-                    values.byteswap()
-                result.embedding = values.tolist()
+                result.embedding = embedding_floats(out.embedding)
         return list(results.values())
 
     # --- internals (also used by the offline benchmark) -----------------------------------------

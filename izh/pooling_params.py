@@ -11,6 +11,9 @@ No torch here: the API process builds these and sends them to the core as msgpac
 
 from __future__ import annotations
 
+import array
+import sys
+
 import msgspec
 
 POOLING_TYPES = ("mean", "cls", "last")
@@ -35,3 +38,11 @@ class PoolingParams(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.dimensions is not None and self.dimensions < 1:
             raise ValueError(f"dimensions must be >= 1, got {self.dimensions}")
+
+
+def embedding_floats(vector: bytes) -> list[float]:
+    """A vector as the core sends it (little-endian float32 bytes) as Python floats."""
+    values = array.array("f", vector)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()

@@ -14,11 +14,9 @@ limits.max_prompt_tokens, and `dimensions` where the model declares no Matryoshk
 
 from __future__ import annotations
 
-import array
 import asyncio
 import base64
 import logging
-import sys
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -37,7 +35,7 @@ from izh.api.state import (
 )
 from izh.errors import InvalidRequest, LimitExceeded
 from izh.frontend.async_llm import REQUEST_SCOPE
-from izh.pooling_params import PoolingParams
+from izh.pooling_params import PoolingParams, embedding_floats
 from izh.sampling_params import SamplingParams
 from izh.tokenizer import Tokenizer
 
@@ -113,13 +111,6 @@ async def _admit(
     return children
 
 
-def _floats(vector: bytes) -> list[float]:
-    values = array.array("f", vector)
-    if sys.byteorder == "big":
-        values.byteswap()  # the core sends little-endian float32
-    return values.tolist()
-
-
 async def _collect(
     children: list[Child], token_ids: list[list[int]], encoding_format: str, response_id: str, model: str
 ) -> EmbeddingResponse:
@@ -138,7 +129,7 @@ async def _collect(
             index=index,
             embedding=base64.b64encode(vectors[index]).decode("ascii")
             if encoding_format == "base64"
-            else _floats(vectors[index]),
+            else embedding_floats(vectors[index]),
         )
         for index in range(len(children))
     ]
