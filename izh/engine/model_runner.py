@@ -15,7 +15,7 @@ import torch
 
 from izh.config import EngineConfig
 from izh.engine.guided import GrammarManager, apply_bitmask
-from izh.engine.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
+from izh.engine.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator, to_device
 from izh.engine.scheduler import ScheduledRequest, SchedulerOutput
 from izh.errors import ModelLoadError
 from izh.kernels import cpu as cpu_ops
@@ -94,13 +94,6 @@ def cpu_kernels_for(device: torch.device, requested: str | None) -> str | None:
     if device.type != "cpu" and (requested is None or requested.strip().lower() == "auto"):
         return "off"
     return requested
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without a stream sync: a plain `.to("cuda")` copies then waits for the
-    stream (the whole queued forward); a non-blocking copy from pageable memory is staged by the driver
-    before it returns, so `host` may be freed or reused at once."""
-    return host if device.type == "cpu" else host.to(device, non_blocking=True)
 
 
 @dataclass(slots=True)
@@ -295,7 +288,7 @@ class ModelRunner:
             logits_rows.extend(token_rows)
         # Copied before the forward is enqueued: on CUDA a blocking host-to-device copy waits for the stream,
         # which would hold the logits back until the whole forward had run.
-        index = _to_device(torch.tensor(logits_rows, dtype=torch.long), self.device)
+        index = to_device(torch.tensor(logits_rows, dtype=torch.long), self.device)
         events = self._forward_events
         start = time.perf_counter()
         if events is not None:
@@ -370,17 +363,17 @@ class ModelRunner:
 
         dev = self.device
         attn_metadata = AttentionMetadata(
-            query_start_loc=_to_device(torch.from_numpy(query_start_loc.astype(np.int32)), dev),
-            seq_lens=_to_device(torch.from_numpy(seq_lens.astype(np.int32)), dev),
-            slot_mapping=_to_device(torch.from_numpy(slot_mapping), dev),
-            block_tables=_to_device(torch.from_numpy(block_tables.astype(np.int32)), dev),
+            query_start_loc=to_device(torch.from_numpy(query_start_loc.astype(np.int32)), dev),
+            seq_lens=to_device(torch.from_numpy(seq_lens.astype(np.int32)), dev),
+            slot_mapping=to_device(torch.from_numpy(slot_mapping), dev),
+            block_tables=to_device(torch.from_numpy(block_tables.astype(np.int32)), dev),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
             query_lens_list=query_lens.tolist(),
             seq_lens_list=seq_lens.tolist(),
         )
-        input_ids = _to_device(torch.tensor(token_ids, dtype=torch.long), dev)
-        return input_ids, _to_device(torch.from_numpy(positions), dev), attn_metadata
+        input_ids = to_device(torch.tensor(token_ids, dtype=torch.long), dev)
+        return input_ids, to_device(torch.from_numpy(positions), dev), attn_metadata
 
     @staticmethod
     def _select_rows(

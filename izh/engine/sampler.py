@@ -158,14 +158,15 @@ class SamplingMetadata:
 
 
 def _on_device(values: list[Any], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """`torch.tensor(values, dtype=dtype, device=device)` without its stream sync on CUDA (`_to_device`)."""
-    return _to_device(torch.tensor(values, dtype=dtype), device)
+    """`torch.tensor(values, dtype=dtype, device=device)` without its stream sync on CUDA (`to_device`)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
-def _to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on `device`. On CUDA a plain copy waits for the stream, that is for the forward and
-    logits queued before the sampler; a non-blocking copy from pageable memory is staged by the driver
-    before it returns, so it is as safe and lets the host build the next tensors meanwhile."""
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device` without a stream sync (the model runner's inputs and the sampler's
+    metadata). On CUDA a plain copy waits for the stream, that is for the forward and logits queued
+    before it; a non-blocking copy from pageable memory is staged by the driver before it returns, so
+    `host` may be freed or reused at once and the host builds the next tensors meanwhile."""
     return host if torch.device(device).type == "cpu" else host.to(device, non_blocking=True)
 
 
@@ -319,9 +320,7 @@ def _token_index(
 ) -> TokenIndex:
     lengths = torch.tensor([len(ids) for ids in token_ids_per_row], dtype=torch.int64)
     return TokenIndex(
-        row_ids=_to_device(
-            torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.int64), lengths), device
-        ),
+        row_ids=to_device(torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.int64), lengths), device),
         token_ids=_on_device(list(chain.from_iterable(token_ids_per_row)), torch.int64, device),
         values=None if values is None else _on_device(values, torch.float32, device),
     )

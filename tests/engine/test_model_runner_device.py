@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from izh.engine.model_runner import _to_device, cpu_kernels_for
+from izh.engine.model_runner import cpu_kernels_for
+from izh.engine.sampler import to_device
 
 
 def test_cuda_engines_turn_the_cpu_kernels_off_unless_a_variant_is_named() -> None:
@@ -20,4 +21,4 @@ def test_cuda_engines_turn_the_cpu_kernels_off_unless_a_variant_is_named() -> No
 
 def test_to_device_leaves_cpu_tensors_alone() -> None:
     host = torch.arange(5)
-    assert _to_device(host, torch.device("cpu")) is host
+    assert to_device(host, torch.device("cpu")) is host
