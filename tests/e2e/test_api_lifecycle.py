@@ -19,7 +19,7 @@ import pytest
 from izh.config import EngineConfig
 from izh.protocol import SchedulerStats
 from tests.e2e.api_server import ApiServer, api_server
-from tests.engine.fake_core import CRASH_TOKEN, FOREVER_TOKEN, GATE_TOKEN, FakeEngineCore, write_options
+from tests.engine.fake_core import CRASH_TOKEN, FOREVER_TOKEN, GATE_TOKEN, FakeEngineCore, make_fake_model
 
 MODEL = "fake"
 FAKE_CORE = "tests.engine.fake_core:FakeEngineCore"
@@ -28,11 +28,13 @@ FAKE_CORE = "tests.engine.fake_core:FakeEngineCore"
 @pytest.fixture(scope="module")
 def fake_model_dir(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model's tokenizer beside fake_core.json: steps take 10 ms, so FOREVER requests pace."""
-    model_dir = tmp_path_factory.mktemp("fake_model")
-    for path in Path(tiny_llama_dir).glob("*.json"):
-        shutil.copy(path, model_dir / path.name)
-    write_options(model_dir, step_delay_s=0.01, max_model_len=256, vocab_size=1000)
-    return model_dir
+    return make_fake_model(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("fake_model"),
+        step_delay_s=0.01,
+        max_model_len=256,
+        vocab_size=1000,
+    )
 
 
 def _server(model_dir: Path, **start_kwargs: Any) -> Any:

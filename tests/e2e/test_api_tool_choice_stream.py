@@ -6,7 +6,6 @@ message, the request aborted in the engine rather than run to its end."""
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 
 from izh.config import EngineConfig
 from tests.e2e.api_server import ApiServer, api_server
-from tests.engine.fake_core import GATE_TOKEN, FakeEngineCore, write_options
+from tests.engine.fake_core import GATE_TOKEN, FakeEngineCore, make_fake_model
 
 MODEL = "fake"
 # The echo answers the last message as it is, then EOS (id 2, a stop for the fake core too): the
@@ -39,13 +38,14 @@ NOW_CALL = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
 @pytest.fixture(scope="module")
 def model_dir(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model's tokenizer beside fake_core.json (10 ms steps, the tokenizer's EOS)."""
-    folder = tmp_path_factory.mktemp("fake_tool_model")
-    for path in Path(tiny_llama_dir).glob("*.json"):
-        shutil.copy(path, folder / path.name)
-    write_options(
-        folder, step_delay_s=0.01, max_model_len=2048, vocab_size=1000, eos_token_ids=[EOS_TOKEN_ID]
+    return make_fake_model(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("fake_tool_model"),
+        step_delay_s=0.01,
+        max_model_len=2048,
+        vocab_size=1000,
+        eos_token_ids=[EOS_TOKEN_ID],
     )
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +21,7 @@ from izh.api.ratelimit import api_key_id
 from izh.config import EngineConfig
 from izh.settings import LimitSettings, RateLimitSettings
 from tests.e2e.api_server import ApiServer, api_server
-from tests.engine.fake_core import FOREVER_TOKEN, write_options
+from tests.engine.fake_core import FOREVER_TOKEN, make_fake_model
 
 MODEL = "tiny"
 KEY_A, KEY_B, KEY_C = "sk-alpha-0001", "sk-bravo-0002", "sk-charlie-0003"
@@ -67,11 +66,13 @@ def secured(tiny_llama_dir: str) -> Iterator[ApiServer]:
 @pytest.fixture(scope="module")
 def fake_model_dir(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny tokenizer beside a FakeEngineCore that echoes prompts, 10 ms a step, for ever."""
-    model_dir = tmp_path_factory.mktemp("fake_security")
-    for path in Path(tiny_llama_dir).glob("*.json"):
-        shutil.copy(path, model_dir / path.name)
-    write_options(model_dir, step_delay_s=0.01, max_model_len=1 << 20, vocab_size=1000)
-    return model_dir
+    return make_fake_model(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("fake_security"),
+        step_delay_s=0.01,
+        max_model_len=1 << 20,
+        vocab_size=1000,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from izh.config import EngineConfig
 from izh_cli.inspect_metrics import Scrape, quantiles
 from tests.e2e.api_server import ApiServer, api_server
 from tests.e2e.real_server import API_KEY, RealServer, serve_default_model
-from tests.engine.fake_core import write_options
+from tests.engine.fake_core import make_fake_model
 
 pytestmark = pytest.mark.slow
 
@@ -446,13 +445,16 @@ def echo_server(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -
     """A server over the FakeEngineCore, which echoes its prompt a token per step, with a template that
     renders only the last message and the `think` reasoning parser: the "model" answers exactly what
     the page sent, so the reasoning and content it streams are known."""
-    model_dir = tmp_path_factory.mktemp("echo_model")
-    for path in Path(tiny_llama_dir).glob("*.json"):
-        shutil.copy(path, model_dir / path.name)
+    model_dir = make_fake_model(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("echo_model"),
+        step_delay_s=0.02,
+        max_model_len=256,
+        vocab_size=1000,
+    )
     tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
     tokenizer_config["chat_template"] = "{{ messages[-1]['content'] }}"
     (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    write_options(model_dir, step_delay_s=0.02, max_model_len=256, vocab_size=1000)
     config = EngineConfig(model=str(model_dir), served_model_name="echo")
     start = {"core_factory": "tests.engine.fake_core:FakeEngineCore"}
     with api_server(config, start_kwargs=start, reasoning_parser="think") as started:

@@ -6,7 +6,6 @@ none of them."""
 from __future__ import annotations
 
 import gzip
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from izh.api.webui import CONTENT_SECURITY_POLICY, load_assets
 from izh.config import EngineConfig
 from tests.e2e.api_server import ApiServer, api_server
-from tests.engine.fake_core import write_options
+from tests.engine.fake_core import make_fake_model
 
 KEY = "webui-key"
 FAKE_CORE = "tests.engine.fake_core:FakeEngineCore"
@@ -24,11 +23,13 @@ FAKE_CORE = "tests.engine.fake_core:FakeEngineCore"
 
 @pytest.fixture(scope="module")
 def fake_model_dir(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model_dir = tmp_path_factory.mktemp("fake_model")
-    for path in Path(tiny_llama_dir).glob("*.json"):
-        shutil.copy(path, model_dir / path.name)
-    write_options(model_dir, step_delay_s=0.0, max_model_len=256, vocab_size=1000)
-    return model_dir
+    return make_fake_model(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("fake_model"),
+        step_delay_s=0.0,
+        max_model_len=256,
+        vocab_size=1000,
+    )
 
 
 def _server(model_dir: Path, **app_kwargs: object) -> object:

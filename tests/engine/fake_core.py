@@ -20,6 +20,7 @@ length) or at max_tokens, and with "stop" on a stop token id or an EOS id.
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -71,6 +72,15 @@ def write_options(model_dir: Path, **options: object) -> None:
     """Write fake_core.json into model_dir (keys of FakeCoreOptions)."""
     FakeCoreOptions(**options)  # type: ignore[arg-type]  # fail early on a typo
     (model_dir / OPTIONS_FILE).write_text(json.dumps(options))
+
+
+def make_fake_model(tokenizer_dir: str | Path, model_dir: Path, **options: object) -> Path:
+    """A folder FakeEngineCore serves: the tokenizer files (*.json) of `tokenizer_dir` (a tiny
+    checkpoint) beside fake_core.json with `options`; returns `model_dir`."""
+    for path in Path(tokenizer_dir).glob("*.json"):
+        shutil.copy(path, model_dir / path.name)
+    write_options(model_dir, **options)
+    return model_dir
 
 
 def _load_options(model: str) -> FakeCoreOptions:
