@@ -103,3 +103,41 @@ def test_a_model_that_does_not_split_fails_before_any_rank_starts(
     # The tiny Llama has 2 KV heads: 4 ranks cannot each take whole ones.
     with pytest.raises(ModelLoadError, match=r"num_key_value_heads 2.*--tensor-parallel-size 1, 2"):
         _llm(tiny_checkpoint_factory("llama"), 4)
+
+
+def _logprob_values(positions: list | None) -> list[float]:  # type: ignore[type-arg]
+    return [p.chosen.logprob for p in positions or [] if p is not None]
+
+
+def test_chunked_prefill_prefix_cache_logprobs_and_embeddings_match_tp1(
+    tiny_checkpoint_factory: Callable[[str], str], stopping: list[LLM]
+) -> None:
+    """The rest of a step's journey under TP=2: a prompt split over several steps (a 32-token budget), a
+    prefix-cache hit, prompt and sampled logprobs (from rank 0's gathered logits), and embeddings pooled
+    from the all-reduced hidden states."""
+    path = tiny_checkpoint_factory("llama")
+    long_prompt = "the history of the city and its river " * 12
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=2, prompt_logprobs=2)
+    results = {}
+    for tp in (1, 2):
+        llm = _llm(path, tp, max_num_batched_tokens=32)
+        if tp == 2:
+            stopping.append(llm)
+        first = llm.generate([long_prompt], params)[0]
+        # Without prompt logprobs (computed at every prompt position, so never cached) the first plain
+        # request fills the prefix cache and the second reads it.
+        plain = SamplingParams(max_tokens=8, temperature=0)
+        again = [llm.generate([long_prompt], plain)[0] for _ in range(2)][1]
+        embedding = llm.embed(["an input to embed"])[0].embedding
+        results[tp] = (first, again, embedding)
+    (first1, _, emb1), (first2, again2, emb2) = results[1], results[2]
+    assert len(first1.prompt_token_ids) > 64  # prefilled in at least 3 steps
+    assert again2.num_cached_tokens > 0  # the second request hit the prefix cache on every rank
+    assert first2.outputs[0].token_ids == first1.outputs[0].token_ids == again2.outputs[0].token_ids
+    assert _logprob_values(first2.outputs[0].logprobs) == pytest.approx(
+        _logprob_values(first1.outputs[0].logprobs), abs=1e-4
+    )
+    assert _logprob_values(first2.prompt_logprobs) == pytest.approx(
+        _logprob_values(first1.prompt_logprobs), abs=1e-4
+    )
+    assert emb2 == pytest.approx(emb1, abs=1e-5)
