@@ -278,8 +278,9 @@ class TensorParallelRuntime:
         """Check every rank has the same `values` (e.g. the model's shape); ModelLoadError otherwise."""
         mine = torch.tensor(values, dtype=torch.int64, device=self.comm_device)
         low, high = mine.clone(), mine.clone()
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        with self._start_up_collective():
+            dist.all_reduce(low, op=dist.ReduceOp.MIN)
+            dist.all_reduce(high, op=dist.ReduceOp.MAX)
         if not torch.equal(low, high):
             raise ModelLoadError(
                 f"the tensor-parallel ranks disagree on {what}: {low.tolist()} vs {high.tolist()}"
@@ -288,8 +289,21 @@ class TensorParallelRuntime:
     def minimum(self, value: int) -> int:
         """The smallest `value` over the ranks (e.g. the KV blocks every rank can hold)."""
         t = torch.tensor([value], dtype=torch.int64, device=self.comm_device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        with self._start_up_collective():
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
+
+    @contextlib.contextmanager
+    def _start_up_collective(self) -> Iterator[None]:
+        """A rank that failed to load (and exited) makes the start-up's collectives fail: say so."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if not _is_comm_error(exc):
+                raise
+            raise ModelLoadError(
+                f"a tensor-parallel rank failed to start: {self.describe_failure(exc)}"
+            ) from exc
 
     def abort(self) -> None:
         """Leave at once (a start-up that failed): kill the ranks this process started, leave the group."""

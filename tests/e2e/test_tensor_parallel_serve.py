@@ -144,3 +144,27 @@ def test_a_killed_worker_host_fails_the_next_request_and_rank_0_exits_1(
     assert error["code"] == "engine_dead" and "tensor-parallel" in error["message"]
     assert rank0.wait(60) == 1
     assert "tensor-parallel collective failed" in (folder / "r0.log").read_text()
+
+
+def test_hosts_that_disagree_on_the_model_fail_to_start_saying_so(
+    tiny_llama_dir: str, tmp_path: Path
+) -> None:
+    port, dist_port = _free_port(), _free_port()
+    dist = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{dist_port}"]
+    rank0 = _start(
+        [tiny_llama_dir, *COMMON, *dist, "--node-rank", "0", "--port", str(port)],
+        tmp_path / "r0.log",
+        tmp_path / "c0",
+    )
+    rank1 = _start(
+        [tiny_llama_dir, *COMMON, *dist, "--node-rank", "1", "--block-size", "32"],
+        tmp_path / "r1.log",
+        tmp_path / "c1",
+    )
+    try:
+        assert rank0.wait(START_TIMEOUT_S) == 1
+        assert rank1.wait(START_TIMEOUT_S) != 0
+    finally:
+        _stop(rank0)
+        _stop(rank1)
+    assert "the tensor-parallel ranks disagree on the model" in (tmp_path / "r0.log").read_text()
