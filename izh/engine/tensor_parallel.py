@@ -1,5 +1,6 @@
 """Tensor-parallel ranks at run time: joining the group, starting a node's other ranks, the step plan
-rank 0 broadcasts, the worker loop, and reporting a rank that died.
+rank 0 broadcasts (and the workers receive), and reporting a rank that died; the worker loop itself is
+izh.engine.tp_worker.
 
 Rank 0 runs the whole engine (scheduler, sampler, the API behind it); every rank holds its shard of the
 model (izh.model.parallel) and its KV heads. Each step, rank 0's `ModelRunner` broadcasts the plan (what
@@ -373,9 +374,19 @@ def start(config: EngineConfig, device_type: str) -> TensorParallelRuntime:
     timeout = timedelta(seconds=config.dist_timeout_s)
     port = where.port
     if not where.torchrun and where.rank == 0:
-        store = dist.TCPStore(
-            where.host, where.port, where.world_size, is_master=True, timeout=timeout, wait_for_workers=False
-        )
+        try:
+            store = dist.TCPStore(
+                where.host,
+                where.port,
+                where.world_size,
+                is_master=True,
+                timeout=timeout,
+                wait_for_workers=False,
+            )
+        except RuntimeError as exc:  # the port is taken, the address is not this host's
+            raise ModelLoadError(
+                f"tensor-parallel rank 0 cannot open its rendezvous on port {where.port}: {exc}"
+            ) from exc
         port = store.port
     try:
         for rank, local_rank in where.spawn:
@@ -414,6 +425,8 @@ def join(
     store: Any,
     procs: list[tuple[int, subprocess.Popen[bytes]]],
 ) -> TensorParallelRuntime:
+    """Join the process group as `where.rank` (rank 0 passes the store it opened; the others connect to
+    host:port, or env:// under torchrun); ModelLoadError when the group does not form in time."""
     timeout = timedelta(seconds=config.dist_timeout_s)
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
