@@ -97,10 +97,8 @@ class ColumnParallelLinear(Linear):
         dtype: torch.dtype,
         shard_names: Sequence[str] | None = None,
     ) -> None:
-        super().__init__(
-            in_features, [end - start for start, end in source_ranges], bias=bias, dtype=dtype,
-            shard_names=shard_names,
-        )  # fmt: skip
+        local_sizes = [end - start for start, end in source_ranges]
+        super().__init__(in_features, local_sizes, bias=bias, dtype=dtype, shard_names=shard_names)
         self.source_ranges = tuple(source_ranges)
         self.full_sizes = tuple(full_sizes)
 
