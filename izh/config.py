@@ -54,6 +54,33 @@ class EngineConfig:
     cache_dir: str | None = None
     """model.cache_dir: the C kernels are cached in <cache_dir>/kernels; None takes the environment's
     (IZH_MODEL__CACHE_DIR / IZH_CACHE_DIR, else ~/.cache/izh)."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (izh.model.parallel, izh.engine.tp_worker); 1 = no split."""
+    dist_init_addr: str | None = None
+    """host:port of rank 0's rendezvous store, for ranks on several hosts; None on one host (rank 0 picks
+    a free loopback port and starts the other ranks itself)."""
+    nnodes: int = 1
+    """Hosts the ranks run on (tensor_parallel_size / nnodes ranks each)."""
+    node_rank: int = 0
+    """This host's index: 0 serves (scheduler, API); the others run their ranks as workers."""
+    dist_timeout_s: float = 120.0
+    """How long a collective (or the rendezvous) waits for a rank before failing."""
+    dist_rank: int | None = None
+    """Set under torchrun (RANK): this process is exactly that rank, starts no other, and joins through
+    MASTER_ADDR / MASTER_PORT (env://); None: it is its node's first rank and starts the others."""
+    dist_local_rank: int | None = None
+    """LOCAL_RANK under torchrun: the CUDA device of this rank."""
+
+    def first_rank(self) -> int:
+        """The global rank of this process: the torchrun RANK, else its node's first rank."""
+        if self.dist_rank is not None:
+            return self.dist_rank
+        return self.node_rank * (self.tensor_parallel_size // max(self.nnodes, 1))
+
+    @property
+    def serves(self) -> bool:
+        """Whether this process runs the scheduler (rank 0) rather than a tensor-parallel worker."""
+        return self.tensor_parallel_size == 1 or self.first_rank() == 0
 
 
 CUDA_BATCHED_TOKENS = 2048
@@ -67,3 +94,25 @@ tokens took ~6 s. Served with 8 streams of 1,000-token prompts, 256 gave an ITL 
 def default_batched_tokens(device_type: str) -> int:
     """`max_num_batched_tokens` when it is unset, by the engine's device type ("cuda", "cpu")."""
     return CUDA_BATCHED_TOKENS if device_type == "cuda" else CPU_BATCHED_TOKENS
+
+
+def with_torchrun_env(config: EngineConfig, env: dict[str, str] | None) -> EngineConfig:
+    """`config` for a process torchrun started (`env`: izh.settings.torchrun_env()): its rank, local rank,
+    world size (the tensor-parallel size) and MASTER_ADDR:MASTER_PORT; unchanged when `env` is None.
+    Raises ValueError when --tensor-parallel-size says otherwise than WORLD_SIZE."""
+    if env is None:
+        return config
+    import dataclasses
+
+    world = int(env["WORLD_SIZE"])
+    if config.tensor_parallel_size not in (1, world):
+        raise ValueError(
+            f"tensor_parallel_size {config.tensor_parallel_size} differs from torchrun's WORLD_SIZE {world}"
+        )
+    return dataclasses.replace(
+        config,
+        tensor_parallel_size=world,
+        dist_rank=int(env["RANK"]),
+        dist_local_rank=int(env.get("LOCAL_RANK", "0")),
+        dist_init_addr=f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}",
+    )

@@ -273,6 +273,36 @@ class EngineSettings(_Section):
         description="Run the engine core in a spawned process (default) or a thread of the API process "
         "(debugging).",
     )
+    tensor_parallel_size: int = Field(
+        default=1,
+        gt=0,
+        description="Split the model over this many ranks (torch.distributed: gloo on CPU, NCCL on CUDA); "
+        "it must divide the attention heads, KV heads and MLP width. On one host izh starts the other "
+        "ranks itself; see docs/operations.md, 'Tensor parallel'.",
+    )
+    dist_init_addr: str | None = Field(
+        default=None,
+        pattern=r"^\S+:\d+$",
+        description="HOST:PORT of rank 0's rendezvous for ranks on several hosts (every host passes the same); "
+        "unset on one host (a free loopback port).",
+    )
+    nnodes: int = Field(
+        default=1,
+        gt=0,
+        description="Hosts the tensor-parallel ranks run on (tensor_parallel_size / nnodes each).",
+    )
+    node_rank: int = Field(
+        default=0,
+        ge=0,
+        description="This host's index among nnodes: 0 serves the API; the others run their ranks as workers "
+        "of node 0 (`izh serve` with the same model and flags, only --node-rank differing).",
+    )
+    dist_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="Seconds a tensor-parallel collective or the rendezvous waits for a rank before the "
+        "engine fails, naming it.",
+    )
 
 
 class ServerSettings(_Section):
@@ -597,6 +627,11 @@ class IzhSettings(BaseSettings):
             pooling=model.pooling,
             normalize_embeddings=model.normalize_embeddings,
             cache_dir=str(model.cache_dir),
+            tensor_parallel_size=engine.tensor_parallel_size,
+            dist_init_addr=engine.dist_init_addr,
+            nnodes=engine.nnodes,
+            node_rank=engine.node_rank,
+            dist_timeout_s=engine.dist_timeout_s,
         )
 
     @property
@@ -813,6 +848,26 @@ def env_cache_dir(env: Mapping[str, str] | None = None) -> Path:
     source = os.environ if env is None else env
     raw = source.get("IZH_MODEL__CACHE_DIR") or source.get("IZH_CACHE_DIR") or DEFAULT_CACHE_DIR
     return Path(raw).expanduser()
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_env(env: Mapping[str, str] | None = None) -> dict[str, str] | None:
+    """torchrun's rendezvous variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) when this
+    process was started by torchrun (RANK and WORLD_SIZE set), for izh.config.with_torchrun_env; else
+    None. Raises SettingsError when one is missing or not a number."""
+    source = os.environ if env is None else env
+    if "RANK" not in source or "WORLD_SIZE" not in source:
+        return None
+    found = {var: source[var] for var in TORCHRUN_VARS if var in source}
+    missing = [var for var in ("MASTER_ADDR", "MASTER_PORT") if var not in found]
+    if missing:
+        raise SettingsError(f"torchrun environment: RANK and WORLD_SIZE are set but not {', '.join(missing)}")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        if var in found and not found[var].isdigit():
+            raise SettingsError(f"torchrun environment: {var}={found[var]!r} is not a number")
+    return found
 
 
 def env_cpu_kernels(env: Mapping[str, str] | None = None) -> str:

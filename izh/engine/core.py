@@ -335,5 +335,4 @@ class EngineCore:
         self.kv_cache_manager.check_invariants()
 
     def shutdown(self) -> None:
-        self.runner.model.bind_kv_caches(None)
-        self.runner.kv_caches.clear()
+        self.runner.shutdown()

@@ -22,15 +22,18 @@ from izh.kernels import cpu as cpu_ops
 from izh.model.attention import AttentionMetadata, get_attention_backend
 from izh.model.config import ModelConfig
 from izh.model.llama import LlamaForCausalLM
-from izh.model.loader import checkpoint_quant_types, load_model
+from izh.model.loader import checkpoint_quant_types, load_model, load_model_config
 from izh.model.packed import RECORDS_ANY_ROWS
 from izh.model.packing import pack_model_weights, resolve_quantization
+from izh.model.parallel import check_tensor_parallel
+from izh.model.parallel import compute_logits as parallel_logits
 from izh.model.pooling import PoolingConfig, pool, resolve_pooling
 from izh.pooling_params import PoolingParams
 from izh.protocol import TokenLogprobs
 
 if TYPE_CHECKING:
     from izh.engine.cuda_graphs import DecodeGraphRunner
+    from izh.engine.tensor_parallel import TensorParallelRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +120,35 @@ class ModelRunner:
         self,
         config: EngineConfig,
         progress: Callable[[int, int, str], None] | None = None,
+        *,
+        tp_runtime: TensorParallelRuntime | None = None,
     ) -> None:
+        """With tensor_parallel_size > 1, rank 0 (no `tp_runtime`) starts the group and the other local
+        ranks (izh.engine.tensor_parallel); a worker rank passes the runtime it joined with."""
         self.config = config
         self.device = resolve_device(config.device)
+        self.tp_runtime = tp_runtime
+        if config.tensor_parallel_size > 1 and tp_runtime is None:
+            if not config.serves:
+                raise ModelLoadError("only tensor-parallel rank 0 runs the engine; run the others as workers")
+            from izh.engine.tensor_parallel import start
+
+            # A model that cannot split N ways fails here, before any other rank is started.
+            check_tensor_parallel(load_model_config(config.model), config.tensor_parallel_size)
+            self.tp_runtime = start(config, self.device.type)
+        try:
+            self._set_up(config, progress)
+        except BaseException:
+            if self.tp_runtime is not None and tp_runtime is None:
+                self.tp_runtime.abort()  # the ranks it started must not wait for it
+            raise
+        if self.tp_runtime is not None and self.tp_runtime.rank == 0:
+            self.tp_runtime.start_heartbeat()
+
+    def _set_up(self, config: EngineConfig, progress: Callable[[int, int, str], None] | None) -> None:
+        if self.tp_runtime is not None and self.device.type == "cuda":
+            self.device = torch.device("cuda", self.tp_runtime.local_rank)
+        tp = self.tp_runtime.tp if self.tp_runtime is not None else None
         # Which C kernel variant runs, and where it is cached; a forced variant this CPU lacks fails here.
         cpu_ops.configure(cpu_kernels_for(self.device, config.cpu_kernels), config.cache_dir)
         source_types = checkpoint_quant_types(config.model)
@@ -127,11 +156,11 @@ class ModelRunner:
         self.quantization = resolve_quantization(
             config.quantization, device=self.device, dtype=self.dtype, source_types=source_types
         )
-        if config.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu" and (config.num_threads or tp is not None):
+            torch.set_num_threads(self._cpu_threads(config))
         start = time.perf_counter()
         model, self.model_config = load_model(
-            config.model, dtype=self.dtype, device=self.device, progress=progress
+            config.model, dtype=self.dtype, device=self.device, progress=progress, tp=tp
         )
         # Every registered architecture but the encoders is a LlamaForCausalLM (see izh.model.registry);
         # an encoder (BERT) only runs forward, in the pooling path.
@@ -154,6 +183,17 @@ class ModelRunner:
         self.block_size = config.block_size
         self.vocab_size = self.model_config.vocab_size
         self.num_blocks = self._resolve_num_blocks()
+        if self.tp_runtime is not None:
+            mc = self.model_config
+            shape = [
+                mc.num_hidden_layers,
+                mc.hidden_size,
+                mc.vocab_size,
+                mc.num_attention_heads,
+                self.block_size,
+            ]
+            self.tp_runtime.agree(shape, "the model (layers, hidden size, vocabulary, heads) or block size")
+            self.num_blocks = self.tp_runtime.minimum(self.num_blocks)  # every rank holds as many blocks
         self.attention_backend = self._resolve_attention_backend(config.attention_backend)
         if self.is_encoder:
             # The scheduler's block accounting still runs (one budget for every request), over blocks
@@ -163,7 +203,9 @@ class ModelRunner:
             self.kv_caches = self._allocate_kv_caches()
             self.model.bind_kv_caches(self.kv_caches)
             self.model.paged_backend = get_attention_backend(self.attention_backend)
-        if not self.is_encoder and self.model.prepare_fused_decode():
+        # The fused C decode stack runs every layer inside one C call, with no all-reduce between: under
+        # tensor parallelism each layer runs as modules (packed records per shard still apply).
+        if not self.is_encoder and self.tp_runtime is None and self.model.prepare_fused_decode():
             stack = self.model.fused_stack
             assert stack is not None
             limit = "any number of" if stack.max_tokens >= RECORDS_ANY_ROWS else f"<= {stack.max_tokens}"
@@ -183,6 +225,17 @@ class ModelRunner:
             )
 
     # --- set-up ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _cpu_threads(config: EngineConfig) -> int:
+        """num_threads, shared out between the tensor-parallel ranks of one host: ranks that together
+        ask for more threads than the cores spin against each other (OpenMP waits busily)."""
+        threads = config.num_threads or os.cpu_count() or 1
+        if config.tensor_parallel_size == 1:
+            return threads
+        per_node = config.tensor_parallel_size // max(config.nnodes, 1)
+        cores = os.cpu_count() or 1
+        return max(1, min(threads, cores // per_node))
 
     @staticmethod
     def _resolve_max_model_len(
@@ -217,6 +270,7 @@ class ModelRunner:
         """CUDA graphs for decode batches: on CUDA with the (graph-safe) Triton backend, unless eager."""
         if (
             self.device.type != "cuda"
+            or self.tp_runtime is not None
             or self.is_encoder
             or self.config.enforce_eager
             or self.attention_backend != "triton_paged"
@@ -234,10 +288,16 @@ class ModelRunner:
         runner.capture()
         return runner
 
+    @property
+    def num_local_kv_heads(self) -> int:
+        """The KV heads this rank's cache holds (all of them without tensor parallelism)."""
+        world = self.tp_runtime.tp.world_size if self.tp_runtime is not None else 1
+        return self.model_config.num_key_value_heads // world
+
     def kv_bytes_per_block(self) -> int:
         mc = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * elem
+        return 2 * mc.num_hidden_layers * self.block_size * self.num_local_kv_heads * mc.head_dim * elem
 
     def _resolve_num_blocks(self) -> int:
         per_block = self.kv_bytes_per_block()
@@ -264,7 +324,7 @@ class ModelRunner:
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         mc = self.model_config
-        shape = (2, self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        shape = (2, self.num_blocks, self.block_size, self.num_local_kv_heads, mc.head_dim)
         # Zeroed, not empty: masked-out slots still flow through the attention matmul, and garbage
         # (NaN) there would poison the result even with a zero weight.
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
@@ -293,7 +353,15 @@ class ModelRunner:
         start = time.perf_counter()
         if events is not None:
             events[0].record()
-        if self.graph_runner is not None and self.graph_runner.can_run(attn_metadata):
+        tp_logits: torch.Tensor | None = None
+        if self.tp_runtime is not None:
+            # Every rank runs this step: the plan goes out, then the forward and the LM head's gather.
+            with self.tp_runtime.step():
+                self.tp_runtime.send_plan(input_ids, positions, attn_metadata, index)
+                hidden, tp_logits = self.run_plan(
+                    input_ids, positions, attn_metadata, index, self._logits_buffer(len(logits_rows))
+                )
+        elif self.graph_runner is not None and self.graph_runner.can_run(attn_metadata):
             hidden = self.graph_runner.run(input_ids, positions, attn_metadata)
         else:
             hidden = self.model(input_ids, positions, attn_metadata)  # [num_tokens, hidden_size]
@@ -303,9 +371,12 @@ class ModelRunner:
             out = RunnerOutput(embeddings=embeddings, forward_s=self._forward_time(start))
             self._prompt_logprobs(scheduled, prompt_rows, hidden.new_empty(0, 0), out)
             return out
-        logits = self.model.compute_logits(  # [len(logits_rows), vocab]
-            hidden.index_select(0, index), out=self._logits_buffer(len(logits_rows))
-        )
+        if tp_logits is not None:
+            logits = tp_logits
+        else:
+            logits = self.model.compute_logits(  # [len(logits_rows), vocab]
+                hidden.index_select(0, index), out=self._logits_buffer(len(logits_rows))
+            )
         out = RunnerOutput(embeddings=embeddings, forward_s=self._forward_time(start))
         num_sampled = len(sample_rows)
         if num_sampled:
@@ -316,6 +387,32 @@ class ModelRunner:
             events[1].synchronize()
             out.forward_s = events[0].elapsed_time(events[1]) / 1e3
         return out
+
+    def run_plan(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        logits_index: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One tensor-parallel step on this rank, as rank 0 planned it: the forward, then (when rows are
+        asked for) the vocabulary-parallel LM head. Returns the hidden states and, on rank 0, the logits
+        of the `logits_index` rows (in `out` when given); None elsewhere."""
+        assert self.tp_runtime is not None
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, attn_metadata)
+            if logits_index.shape[0] == 0:
+                return hidden, None
+            rows = hidden.index_select(0, logits_index)
+            return hidden, parallel_logits(self.model, rows, self.tp_runtime.tp, out)
+
+    def shutdown(self) -> None:
+        """Free the KV caches; rank 0 of a tensor-parallel group also stops the other ranks."""
+        self.model.bind_kv_caches(None)
+        self.kv_caches.clear()
+        if self.tp_runtime is not None:
+            self.tp_runtime.shutdown()
 
     def _forward_time(self, start: float) -> float:
         """Host time since `start`; on CUDA, records the forward's end event (read back after sampling)."""

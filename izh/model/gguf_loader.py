@@ -65,15 +65,49 @@ def hf_name(gguf_name: str) -> str | None:
 def dequantize(file: GGUFFile, info: GGUFTensorInfo, *, unpermute_heads: int = 0) -> Tensor:
     """One tensor as float32 in torch's shape (a fresh tensor, never a view of the file); Llama q/k
     rows un-permuted over `unpermute_heads` heads when non-zero."""
+    return _to_tensor(_dequantize(file.raw(info), info, info.shape, unpermute_heads))
+
+
+def _dequantize(
+    raw: np.ndarray, info: GGUFTensorInfo, shape: tuple[int, ...], unpermute_heads: int
+) -> np.ndarray:
     try:
-        array = gguf.quants.dequantize(file.raw(info), info.ggml_type)
+        array = gguf.quants.dequantize(raw, info.ggml_type)
     except NotImplementedError as e:
         raise ModelLoadError(f"GGUF tensor {info.name}: {e}") from e
-    array = np.asarray(array, dtype=np.float32).reshape(info.shape)
+    array = np.asarray(array, dtype=np.float32).reshape(shape)
     if unpermute_heads:
         array = unpermute_qk(array, unpermute_heads)
+    return array
+
+
+def _to_tensor(array: np.ndarray) -> Tensor:
     # numpy, not torch, for these copies: single-threaded, so cheap even on a busy machine.
     return torch.from_numpy(np.ascontiguousarray(array) if array.flags.writeable else array.copy())
+
+
+def dequantize_slice(
+    file: GGUFFile, info: GGUFTensorInfo, dim: int, start: int, end: int, *, unpermute_heads: int = 0
+) -> Tensor:
+    """Only [start, end) along `dim` of a tensor, as float32 (a tensor-parallel shard), dequantizing only
+    those bytes where the quantization allows: rows are independent (dim 0), and a column range is cut at
+    quantization-block boundaries (dim 1); a column range inside a block dequantizes the whole tensor
+    and cuts it. Llama q/k rows (whole heads) are un-permuted per head."""
+    raw = file.raw(info)
+    shape = list(info.shape)
+    if dim == 0 and len(shape) == 2:
+        heads = unpermute_heads * (end - start) // shape[0] if unpermute_heads else 0
+        shape[0] = end - start
+        return _to_tensor(_dequantize(np.ascontiguousarray(raw[start:end]), info, tuple(shape), heads))
+    block_size, type_size = gguf.GGML_QUANT_SIZES[info.ggml_type]
+    last = len(shape) - 1
+    if dim == last and not unpermute_heads and start % block_size == 0 and end % block_size == 0:
+        cut = raw[..., start // block_size * type_size : end // block_size * type_size]
+        shape[last] = end - start
+        return _to_tensor(_dequantize(np.ascontiguousarray(cut), info, tuple(shape), 0))
+    full = _dequantize(raw, info, info.shape, unpermute_heads)
+    index = (slice(None),) * dim + (slice(start, end),)
+    return _to_tensor(np.ascontiguousarray(full[index]))
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -119,8 +153,17 @@ def gguf_checkpoint_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[Che
             shape=t.shape,
             source=f"GGUF tensor {t.name}",
             read=_reader(file, t, heads),
+            read_slice=_slice_reader(file, t, heads),
         )
 
 
 def _reader(file: GGUFFile, info: GGUFTensorInfo, unpermute_heads: int) -> Callable[[], Tensor]:
     return lambda: dequantize(file, info, unpermute_heads=unpermute_heads)
+
+
+def _slice_reader(
+    file: GGUFFile, info: GGUFTensorInfo, unpermute_heads: int
+) -> Callable[[int, int, int], Tensor]:
+    return lambda dim, start, end: dequantize_slice(
+        file, info, dim, start, end, unpermute_heads=unpermute_heads
+    )

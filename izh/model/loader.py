@@ -10,16 +10,18 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from izh.errors import ModelLoadError
-from izh.model import gguf_loader
+from izh.model import gguf_loader, parallel
 from izh.model.config import ModelConfig
 from izh.model.gguf_file import GGUFFile
+from izh.model.llama import LlamaForCausalLM
+from izh.model.parallel import TensorParallel
 from izh.model.registry import build_model, get_model_class
 from izh.model.weights import CheckpointTensor, ProgressFn, load_weights
 
@@ -66,11 +68,14 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     progress: ProgressFn | None = None,
+    tp: TensorParallel | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for `path` (HF folder or .gguf file) on `device` and load every weight.
 
     `progress(done, total, tensor_name)` is called after each tensor. Any missing, unexpected or
-    mis-shaped tensor raises ModelLoadError naming it (nothing is half-loaded silently).
+    mis-shaped tensor raises ModelLoadError naming it (nothing is half-loaded silently). With `tp`
+    (more than one rank), the model is `tp.rank`'s shard (izh.model.parallel): built on the meta device,
+    sharded, then given storage for its slices only, and each tensor is read as that slice.
     """
     _check_exists(path)
     start_s = time.perf_counter()
@@ -88,8 +93,15 @@ def load_model(
             if config.is_encoder:
                 tensors = _encoder_tensors(tensors)
         get_model_class(config.architecture)
-        with torch.device(device):
-            model = build_model(config, dtype=dtype)
+        if tp is not None and tp.world_size > 1:
+            parallel.check_tensor_parallel(config, tp.world_size)
+            with torch.device("meta"):
+                model = build_model(config, dtype=dtype)
+                parallel.shard_model(cast(LlamaForCausalLM, model), tp)
+            parallel.materialize(model, device)
+        else:
+            with torch.device(device):
+                model = build_model(config, dtype=dtype)
         load_weights(model, tensors, tied_embeddings=config.tie_word_embeddings, progress=progress)
     model.eval()
     logger.info(
@@ -197,9 +209,23 @@ def _safetensors_checkpoint_tensors(folder: str, files: ExitStack) -> Iterator[C
             raise ModelLoadError(f"cannot read {file}: {e}") from e
         for name, shape in entries:
             yield CheckpointTensor(
-                name=name, shape=shape, source=file.name, read=_tensor_reader(handle, name)
+                name=name,
+                shape=shape,
+                source=file.name,
+                read=_tensor_reader(handle, name),
+                read_slice=_slice_reader(handle, name),
             )
 
 
 def _tensor_reader(handle: Any, name: str) -> Callable[[], torch.Tensor]:
     return lambda: handle.get_tensor(name)
+
+
+def _slice_reader(handle: Any, name: str) -> Callable[[int, int, int], torch.Tensor]:
+    """(dim, start, end) -> that slice only, read from the memory-mapped file (safetensors' get_slice)."""
+
+    def read(dim: int, start: int, end: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, end),)
+        return handle.get_slice(name)[index]
+
+    return read

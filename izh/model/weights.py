@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from izh.errors import ModelLoadError
 from izh.model.layers import Linear
+from izh.model.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -29,6 +30,9 @@ class CheckpointTensor:
     source: str
     """Where it lives, for error messages (file and name in the file)."""
     read: Callable[[], Tensor]
+    read_slice: Callable[[int, int, int], Tensor] | None = None
+    """(dim, start, end) -> only that slice, read without the rest (a tensor-parallel shard); None: the
+    loader reads the whole tensor and narrows it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,10 @@ class _Target:
     rows: tuple[int, int] | None
     """Row range of a packed parameter this tensor fills; None = the whole parameter."""
     shape: tuple[int, ...]
+    """The checkpoint tensor's (full) shape."""
+    source_slice: tuple[int, int, int] | None = None
+    """(dim, start, end): the slice of the checkpoint tensor this rank holds (tensor parallel); None =
+    all of it."""
 
 
 def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
@@ -44,6 +52,14 @@ def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
     targets: dict[str, _Target] = {}
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            targets.update(_parallel_linear_targets(module_name, module))
+            continue
+        if isinstance(module, VocabParallelEmbedding):
+            shape = (module.vocab_size, module.weight.shape[1])
+            source = (0, module.vocab_start, module.vocab_end)
+            targets[f"{prefix}weight"] = _Target(module.weight, None, shape, source)
+            continue
         if isinstance(module, Linear):
             parent = module_name.rsplit(".", 1)[0] + "." if "." in module_name else ""
             for shard, start, end in module.shard_rows():
@@ -55,6 +71,29 @@ def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
             continue
         for param_name, param in module.named_parameters(recurse=False):
             targets[f"{prefix}{param_name}"] = _Target(param, None, tuple(param.shape))
+    return targets
+
+
+def _parallel_linear_targets(
+    module_name: str, module: ColumnParallelLinear | RowParallelLinear
+) -> dict[str, _Target]:
+    """The checkpoint tensors of a tensor-parallel linear: full shapes, and the slice each shard takes."""
+    parent = module_name.rsplit(".", 1)[0] + "." if "." in module_name else ""
+    targets: dict[str, _Target] = {}
+    if isinstance(module, RowParallelLinear):
+        start, end = module.source_range
+        shape = (module.weight.shape[0], module.full_in_features)
+        targets[f"{module_name}.weight"] = _Target(module.weight, None, shape, (1, start, end))
+        if module.bias is not None:
+            targets[f"{module_name}.bias"] = _Target(module.bias, None, tuple(module.bias.shape))
+        return targets
+    shards = zip(module.shard_rows(), module.source_ranges, module.full_sizes, strict=True)
+    for (shard, row_start, row_end), (start, end), full in shards:
+        base = f"{parent}{shard}" if shard is not None else module_name
+        rows = (row_start, row_end)
+        targets[f"{base}.weight"] = _Target(module.weight, rows, (full, module.in_features), (0, start, end))
+        if module.bias is not None:
+            targets[f"{base}.bias"] = _Target(module.bias, rows, (full,), (0, start, end))
     return targets
 
 
@@ -126,6 +165,16 @@ def _copy_into(dest: Tensor, value: Tensor) -> None:
         dest.copy_(value)
 
 
+def _read(t: CheckpointTensor, source_slice: tuple[int, int, int] | None) -> Tensor:
+    """The tensor, or only the slice a tensor-parallel rank holds (read as such where the format allows)."""
+    if source_slice is None:
+        return t.read()
+    dim, start, end = source_slice
+    if t.read_slice is not None:
+        return t.read_slice(dim, start, end)
+    return t.read().narrow(dim, start, end - start).contiguous()
+
+
 def load_weights(
     model: nn.Module,
     tensors: Iterable[CheckpointTensor],
@@ -143,16 +192,16 @@ def load_weights(
     with torch.no_grad():
         for done, (t, target) in enumerate(plan, start=1):
             try:
-                value = t.read()
+                value = _read(t, target.source_slice)
             except ModelLoadError:
                 raise
             except Exception as e:  # a truncated file, a bad dtype: name the tensor
                 raise ModelLoadError(f"cannot read tensor {t.name} ({t.source}): {e}") from e
-            if tuple(value.shape) != target.shape:
-                raise ModelLoadError(
-                    f"tensor {t.name} read as shape {list(value.shape)}, expected {list(target.shape)}"
-                )
             dest = target.param if target.rows is None else target.param[target.rows[0] : target.rows[1]]
+            if tuple(value.shape) != tuple(dest.shape):
+                raise ModelLoadError(
+                    f"tensor {t.name} read as shape {list(value.shape)}, expected {list(dest.shape)}"
+                )
             _copy_into(dest, value)
             del value
             if progress is not None:

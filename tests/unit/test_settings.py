@@ -361,6 +361,11 @@ def test_to_engine_config_maps_every_field() -> None:
         "model.pooling": "mean",
         "model.normalize_embeddings": False,
         "model.cache_dir": "/cache",
+        "engine.tensor_parallel_size": 4,
+        "engine.dist_init_addr": "10.0.0.1:29500",
+        "engine.nnodes": 2,
+        "engine.node_rank": 1,
+        "engine.dist_timeout_s": 30.0,
     }
     config = load_settings(overrides=overrides, env={}).to_engine_config("/models/x.gguf")
     assert config == EngineConfig(
@@ -385,15 +390,21 @@ def test_to_engine_config_maps_every_field() -> None:
         pooling="mean",
         normalize_embeddings=False,
         cache_dir="/cache",
+        tensor_parallel_size=4,
+        dist_init_addr="10.0.0.1:29500",
+        nnodes=2,
+        node_rank=1,
+        dist_timeout_s=30.0,
     )
-    # No EngineConfig field may keep its default silently: each one differs from it above.
+    # No EngineConfig field may keep its default silently: each one differs from it above (but the
+    # torchrun rank fields, which come from torchrun's environment: izh.config.with_torchrun_env).
     defaults = EngineConfig(model="/models/x.gguf")
     same = [
         f.name
         for f in dataclasses.fields(EngineConfig)
         if getattr(config, f.name) == getattr(defaults, f.name)
     ]
-    assert same == ["model"]
+    assert same == ["model", "dist_rank", "dist_local_rank"]
 
 
 def test_served_model_name_defaults_to_the_model_name() -> None:
