@@ -22,6 +22,7 @@ import typer
 
 from izh_cli._common import ConfigOption, cli_errors, load_cli_settings, stderr_console, transfer_progress
 from izh_cli._common import with_settings_flags as _with_settings_flags
+from izh_cli.serve_multi import needs_supervisor, serve_supervised
 
 if TYPE_CHECKING:
     import uvicorn
@@ -60,8 +61,11 @@ def serve(
             path = resolve_model(
                 settings.model.name, settings.model.cache_dir, download=True, progress=progress
             )
-        engine_config = default_engine_threads(settings.to_engine_config(str(path)))
-        code = asyncio.run(_serve(settings, engine_config))
+        engine_config = settings.to_engine_config(str(path))
+        if needs_supervisor(settings):  # --api-server-count / --data-parallel-size > 1
+            code = serve_supervised(settings, engine_config)
+        else:
+            code = asyncio.run(_serve(settings, default_engine_threads(engine_config)))
     raise typer.Exit(code)
 
 
