@@ -33,7 +33,8 @@ ROUTE_AFFINITY = "affinity"
 ROUTE_REBALANCED = "rebalanced"
 """Its prefix's core was too busy (or dead): went to the least loaded one instead."""
 ROUTE_LOAD = "load"
-"""No known prefix (new, or shorter than one block): went to the least loaded core."""
+"""No known prefix: a new one went to its home core (or, that one busy, the least loaded); one shorter
+than a block to the least loaded core."""
 ROUTES = (ROUTE_AFFINITY, ROUTE_REBALANCED, ROUTE_LOAD)
 
 
