@@ -267,6 +267,27 @@ def test_a_killed_core_fails_only_its_requests_and_ready_says_degraded(start: Ca
         assert _completion(server.url, f"after {i}")["choices"][0]["finish_reason"] == "length"
     engines = server.get("/v1/izh/stats").json()["engines"]
     assert [e["alive"] for e in engines] == [True, False]
+    # `izh inspect` shows every core, the dead one as such.
+    inspect = [
+        sys.executable,
+        "-m",
+        "izh_cli.main",
+        "inspect",
+        "--url",
+        server.url,
+        "--once",
+        "--interval",
+        "0.01",
+    ]
+    snap = json.loads(subprocess.run([*inspect, "--json"], capture_output=True, text=True, timeout=60).stdout)
+    assert [(e["engine"], e["alive"], e["pid"]) for e in snap["engines"]] == [
+        (0, True, cores[0]),
+        (1, False, cores[1]),
+    ]
+    shown = subprocess.run(
+        inspect, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "160"}
+    )
+    assert "Engine cores" in shown.stdout and "dead:" in shown.stdout
     assert server.proc.poll() is None
     assert "engine core 1" in server.log.read_text()
     server.proc.send_signal(signal.SIGTERM)
