@@ -10,9 +10,10 @@ Several frontends (`izh serve --api-server-count N`, izh_cli/serve_multi.py): th
 output address per frontend, all bound by the frontends, and connects a PUSH socket to each. Every
 frontend's PUSH connects to the one input PULL (fair-queued). AddRequest and Utility carry the
 sender's `client_index`; the output thread sends each request's outputs, and each utility's answer,
-to that frontend only, and the stats, Ready and Dead to all of them. A frontend that stops reading
-(gone) loses its messages rather than blocking the others (non-blocking sends, dropped at the
-high-water mark).
+to that frontend only, and the stats, Ready and Dead to all of them. The output sockets have no
+high-water mark and send without blocking: a frontend that falls behind (a GC pause) gets every
+message later, and one that is gone (killed) never blocks the others; its queue grows only until the
+supervisor, which stops the whole server when an API process dies, stops the core.
 """
 
 from __future__ import annotations
@@ -131,6 +132,8 @@ def run_engine_core(
     for addr in output_addrs:
         out_sock = ctx.socket(zmq.PUSH)
         out_sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        if len(output_addrs) > 1:
+            out_sock.setsockopt(zmq.SNDHWM, 0)  # see the module docstring: never drop, never block
         out_sock.connect(addr)
         out_socks.append(out_sock)
     in_sock = ctx.socket(zmq.PULL)
@@ -543,12 +546,10 @@ class EngineCoreProc:
             data = encoder.encode(msg)
             try:
                 socks[index].send(data, zmq.NOBLOCK, copy=len(data) < _ZERO_COPY_MIN_BYTES)
-            except zmq.Again:
-                # Never block the other frontends for one that stopped reading (it died: the
-                # server's supervisor is shutting down). Said once per frontend.
+            except zmq.Again:  # no high-water mark: only if libzmq cannot queue at all
                 if not dropped[index]:
                     dropped[index] = True
-                    logger.warning("frontend %d is not reading its outputs; dropping them", index)
+                    logger.warning("frontend %d cannot take its outputs; dropping them", index)
             except zmq.ZMQError as exc:
                 logger.warning("EngineCore output send to frontend %d failed: %s", index, exc)
 

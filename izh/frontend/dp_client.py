@@ -21,7 +21,7 @@ from izh.config import EngineConfig
 from izh.errors import EngineDead
 from izh.frontend.async_llm import AsyncLLM, _load_tokenizer_beside
 from izh.frontend.client import AttachedCore, EngineCoreClient, engine_state
-from izh.frontend.dp_router import Router, affinity_key
+from izh.frontend.dp_router import Router, affinity_keys
 from izh.frontend.stats import StatLogger
 from izh.protocol import Abort, AddRequest, EngineInput, EngineOutput, EngineOutputs, Ready, SchedulerStats
 
@@ -212,9 +212,9 @@ class DataParallelClient:
     def _add(self, msg: AddRequest) -> None:
         if self.is_dead:
             raise EngineDead(f"the engine core is dead: {self.dead_reason}")
-        key = affinity_key(msg.prompt_token_ids, self._block_size, msg.cache_salt)
+        keys = affinity_keys(msg.prompt_token_ids, self._block_size, msg.cache_salt)
         try:
-            route = self.router.choose(key, self.loads())
+            route = self.router.choose(keys, self.loads())
         except ValueError:
             raise EngineDead("every engine core is dead") from None
         k = route.engine

@@ -1,16 +1,19 @@
 """The data-parallel routing policy: which engine core gets a request (pure Python, no I/O).
 
-Each core's load is its published `num_running + num_waiting` (every API process sees every core's
-stats) plus the requests this frontend sent it since those stats (they may not show in them yet).
-A prompt's affinity key is a stable hash (blake2b) of its cache salt and its first full KV blocks, up
-to AFFINITY_BLOCKS of them (shorter than one block: no key, it caches nothing). A request goes to the
-core its key was last routed to (an *affinity hit*: that core holds the prefix in its prefix cache),
-unless that core is dead or its load exceeds the least loaded live core's by more than the margin
-(`load > AFFINITY_LOAD_FACTOR * least + AFFINITY_LOAD_SLACK`); then it goes to the least loaded live
-core (ties rotate) and the key now points there. A key seen for the first time goes to its home core,
-`key % num_engines`, under the same margin (so that every API process, each with its own table, sends
-a new prefix to the same core), else to the least loaded one. A request without a key goes to the
-least loaded core. The table remembers the AFFINITY_TABLE_SIZE most recently routed keys.
+Load: each core's published `num_running + num_waiting` (every API process sees every core's stats)
+plus the requests this frontend sent it since those stats (they may not show in them yet).
+
+Prefix affinity: a prompt's keys are chained hashes (blake2b, stable across processes) of its cache
+salt and its first 1, 2, ... full KV blocks, up to AFFINITY_BLOCKS blocks: the same chain the cores'
+prefix caches key their blocks by, coarsened. The table maps keys to the core they were last routed
+to. A request goes to the core of its deepest known key (an *affinity* route: that core holds at least
+that many of its blocks in its prefix cache), unless that core is dead or its load exceeds the least
+loaded live core's by more than the margin (`load > AFFINITY_LOAD_FACTOR * least + AFFINITY_LOAD_SLACK`);
+then it is *rebalanced* to the least loaded live core. A prompt none of whose keys is known goes to its
+home core, `first key % num_engines` (so that every API process, each with its own table, sends a new
+prefix to the same core), under the same margin, else to the least loaded one; a prompt shorter than a
+block to the least loaded core (ties rotate). Every key of the routed prompt then points to the chosen
+core. The table keeps the AFFINITY_TABLE_SIZE most recently routed keys.
 """
 
 from __future__ import annotations
@@ -21,35 +24,40 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-AFFINITY_BLOCKS = 4
-"""The affinity key covers at most this many leading KV blocks of the prompt."""
+AFFINITY_BLOCKS = 8
+"""Keys cover at most this many leading KV blocks of the prompt."""
 AFFINITY_LOAD_FACTOR = 1.5
 AFFINITY_LOAD_SLACK = 4
 """Affinity is kept while the core's load is at most FACTOR x the least loaded core's + SLACK."""
-AFFINITY_TABLE_SIZE = 65536
+AFFINITY_TABLE_SIZE = 1 << 18
 
 ROUTE_AFFINITY = "affinity"
-"""Went to the core its prefix was last routed to."""
+"""Went to the core its deepest known prefix key was last routed to."""
 ROUTE_REBALANCED = "rebalanced"
-"""Its prefix's core was too busy (or dead): went to the least loaded one instead."""
+"""That core was too busy (or dead): went to the least loaded one instead."""
 ROUTE_LOAD = "load"
-"""No known prefix: a new one went to its home core (or, that one busy, the least loaded); one shorter
-than a block to the least loaded core."""
+"""No known prefix: a new one went to its home core (or, that one busy, the least loaded); a prompt
+shorter than a block to the least loaded core."""
 ROUTES = (ROUTE_AFFINITY, ROUTE_REBALANCED, ROUTE_LOAD)
 
 
-def affinity_key(prompt_token_ids: Sequence[int], block_size: int, cache_salt: str | None) -> int | None:
-    """The prompt's prefix key (its first full blocks, up to AFFINITY_BLOCKS), or None when it has
-    no full block."""
+def affinity_keys(prompt_token_ids: Sequence[int], block_size: int, cache_salt: str | None) -> list[int]:
+    """The prompt's chained prefix keys, one per full leading block (at most AFFINITY_BLOCKS); empty
+    when it has no full block (it caches nothing)."""
     num_blocks = min(len(prompt_token_ids) // block_size, AFFINITY_BLOCKS)
     if num_blocks == 0:
-        return None
+        return []
     digest = hashlib.blake2b(digest_size=8)
     if cache_salt is not None:
         digest.update(cache_salt.encode())
     digest.update(b"\0")
-    digest.update(array("q", prompt_token_ids[: num_blocks * block_size]).tobytes())
-    return int.from_bytes(digest.digest(), "little")
+    ids = array("q", prompt_token_ids[: num_blocks * block_size]).tobytes()
+    step = block_size * 8
+    keys = []
+    for i in range(num_blocks):
+        digest.update(ids[i * step : (i + 1) * step])
+        keys.append(int.from_bytes(digest.digest(), "little"))
+    return keys
 
 
 @dataclass(slots=True)
@@ -67,38 +75,39 @@ class Router:
         self._table: OrderedDict[int, int] = OrderedDict()
         self._next = 0
 
-    def choose(self, key: int | None, loads: Sequence[int | None]) -> Route:
-        """The core for a request with affinity `key`; raises ValueError when every core is dead."""
+    def choose(self, keys: Sequence[int], loads: Sequence[int | None]) -> Route:
+        """The core for a request with these prefix keys; raises ValueError when every core is dead."""
         least = self._least_loaded(loads)
-        if key is None:
+        if not keys:
             return Route(least, ROUTE_LOAD)
-        table = self._table
-        engine = table.get(key)
         least_load = loads[least]
         assert least_load is not None
-        if engine is not None and _within_margin(loads[engine], least_load):
+        table = self._table
+        known = next((table[key] for key in reversed(keys) if key in table), None)
+        if known is not None:
+            route = Route(known, ROUTE_AFFINITY)
+            if not _within_margin(loads[known], least_load):
+                route = Route(least, ROUTE_REBALANCED)
+        else:
+            home = keys[0] % self.num_engines
+            route = Route(home if _within_margin(loads[home], least_load) else least, ROUTE_LOAD)
+        for key in keys:
+            table[key] = route.engine
             table.move_to_end(key)
-            return Route(engine, ROUTE_AFFINITY)
-        chosen = least
-        if engine is None:
-            home = key % self.num_engines
-            if _within_margin(loads[home], least_load):
-                chosen = home
-        table[key] = chosen
-        table.move_to_end(key)
-        if len(table) > AFFINITY_TABLE_SIZE:
+        while len(table) > AFFINITY_TABLE_SIZE:
             table.popitem(last=False)
-        return Route(chosen, ROUTE_LOAD if engine is None else ROUTE_REBALANCED)
+        return route
 
     def _least_loaded(self, loads: Sequence[int | None]) -> int:
         best: int | None = None
+        best_load = 0
         n = len(loads)
         start = self._next
         for offset in range(n):
             i = (start + offset) % n
             load = loads[i]
-            if load is not None and (best is None or load < loads[best]):  # type: ignore[operator]
-                best = i
+            if load is not None and (best is None or load < best_load):
+                best, best_load = i, load
         if best is None:
             raise ValueError("every engine core is dead")
         self._next = (best + 1) % n

@@ -190,7 +190,7 @@ def test_data_parallel_routes_by_load_and_affinity_and_survives_a_dead_core(
             home = dp._owner["p0"]
             dp.send(add("p1", [*prefix, 2]))
             assert dp._owner["p1"] == home
-            assert dp.router.choose(None, [0, 0]).engine in (0, 1)
+            assert dp.router.choose([], [0, 0]).engine in (0, 1)
             await until(lambda: bool(finished("p0") and finished("p1")))
             # The core that dies fails its own requests (503); the other's go on.
             doomed = 1 - home
