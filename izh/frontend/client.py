@@ -277,6 +277,9 @@ class EngineCoreClient:
         except ProcessLookupError:
             self._loop.call_soon(self._set_core_exited, None)
             return
+        except (AttributeError, OSError) as exc:  # no pidfds here (not Linux >= 5.3)
+            logger.info("cannot watch the engine core's pid (%s); the heartbeat alone watches it", exc)
+            return
         self._loop.add_reader(self._pidfd, self._on_pid_exit)
 
     def _on_pid_exit(self) -> None:

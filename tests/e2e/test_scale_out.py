@@ -331,3 +331,33 @@ def _not_ready(server: Server) -> bool:
         return server.get("/ready").status_code == 503
     except httpx.HTTPError:
         return True
+
+
+def test_a_model_that_cannot_load_makes_the_supervisor_exit_1(tiny_llama_dir: str, tmp_path: Path) -> None:
+    import shutil
+
+    bad = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
+    env = {**os.environ, "IZH_CACHE_DIR": isolated_cache_dir(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "izh_cli.main", "serve", str(bad), "--port", str(_free_port())]
+    cmd += ["--api-server-count", "2", "--data-parallel-size", "2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+    assert result.returncode == 1
+    assert "NoSuchModelForCausalLM" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "flags", [["--restart-dead-core"], ["--core-mode", "thread"]], ids=["restart_dead_core", "thread"]
+)
+def test_settings_the_supervisor_cannot_honour_are_usage_errors(
+    tiny_llama_dir: str, tmp_path: Path, flags: list[str]
+) -> None:
+    env = {**os.environ, "IZH_CACHE_DIR": isolated_cache_dir(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "izh_cli.main", "serve", tiny_llama_dir, "--port", str(_free_port())]
+    result = subprocess.run(
+        [*cmd, "--data-parallel-size", "2", *flags], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 2
+    assert "cannot be combined with --api-server-count > 1 or --data-parallel-size > 1" in result.stderr
