@@ -27,7 +27,8 @@ from izh.errors import EngineDead, Overloaded
 
 async def health(request: Request) -> Response:
     """Liveness: 200 while the process can serve (or is replacing its core), 503 once the engine
-    core is dead for good (a supervisor restarts us)."""
+    core is dead for good (a supervisor restarts us). With data-parallel cores, 200 with status
+    "degraded" (and which cores are dead) while some live, 503 once none does."""
     llm = api_state(request).llm
     if llm.is_dead:
         raise EngineDead(f"the engine core is dead: {llm.dead_reason}")
@@ -50,7 +51,8 @@ def _degraded(client: Any) -> dict[str, Any] | None:
 
 async def ready(request: Request) -> Response:
     """Readiness: 200 only while the model is loaded, the core answered a heartbeat within the
-    timeout, no core restart is under way and the server is not draining."""
+    timeout, no core restart is under way and the server is not draining. With data-parallel cores:
+    every live one answered in time; some dead and some alive is 200 with status "degraded"."""
     llm = api_state(request).llm
     if llm.is_dead:
         raise EngineDead(f"the engine core is dead: {llm.dead_reason}")

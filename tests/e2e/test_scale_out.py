@@ -361,3 +361,17 @@ def test_settings_the_supervisor_cannot_honour_are_usage_errors(
     )
     assert result.returncode == 2
     assert "cannot be combined with --api-server-count > 1 or --data-parallel-size > 1" in result.stderr
+
+
+def test_the_last_core_dying_fails_streams_and_stops_the_server_with_exit_1(
+    start: Callable[..., Server],
+) -> None:
+    server = start("--api-server-count", "2")
+    apis, cores = server.api_pids(), server.core_pids()
+    streams = _open_streams(server.url, ["hello"], max_tokens=1000)
+    os.kill(cores[0], signal.SIGKILL)
+    (events,) = [_finish(s) for s in streams]
+    assert events[-1]["error"]["code"] == "engine_dead"
+    assert server.proc.wait(60) == 1
+    assert "the engine core died" in server.log.read_text()
+    _wait_for(lambda: not any(_alive(p) for p in apis), 10, "the API processes to exit")
