@@ -39,6 +39,9 @@ class AddRequest(msgspec.Struct, tag=True, kw_only=True):
     pooling_params: PoolingParams | None = None
     """Set for an embedding request (then max_tokens is 0): the core pools its prompt's final hidden
     states and returns the vector in EngineOutput.embedding."""
+    client_index: int = 0
+    """Which of the core's frontends (API processes) sent it: its outputs go back to that one only
+    (izh.engine.core_proc; always 0 with one frontend)."""
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -55,6 +58,8 @@ class Utility(msgspec.Struct, tag=True):
     call_id: int
     method: str
     args: list[Any] = []
+    client_index: int = 0
+    """The calling frontend, to which the UtilityResult goes (as AddRequest.client_index)."""
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -112,6 +117,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     kv_block_states: bytes | None = None
     """One byte per block id (0 free, 1 cached, 2 used); None when this message carries no block map
     (it rides at most every BLOCK_MAP_INTERVAL_S: building it is O(num_blocks))."""
+    engine_index: int = 0
+    """Which data-parallel core published it: set by the frontend on receipt (the core does not
+    know its index), for per-core metrics."""
 
 
 class EngineOutputs(msgspec.Struct, tag=True, kw_only=True):

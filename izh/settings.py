@@ -248,6 +248,13 @@ class EngineSettings(_Section):
     seed: int = Field(
         default=0, ge=0, description="Seed of the engine's random generator (unseeded sampling)."
     )
+    data_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Engine core processes under `izh serve`, each with its own KV cache, behind the same "
+        'API; requests are routed by load and prompt-prefix affinity (docs/operations.md, "Scale out").',
+    )
     num_threads: int | None = Field(
         default=None,
         gt=0,
@@ -415,6 +422,13 @@ class ServerSettings(_Section):
         default=30,
         gt=0,
         description="Seconds a client may take to send a request body; slower is a 408.",
+    )
+    api_server_count: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="API processes under `izh serve`, sharing the port and the engine core(s): "
+        'tokenizing and streaming for many clients on more CPU cores (docs/operations.md, "Scale out").',
     )
 
     def api_key_values(self) -> frozenset[str]:
@@ -1009,3 +1023,9 @@ _SPECS_BY_DOTTED: dict[str, FlagSpec] = {spec.dotted: spec for spec in _SPECS}
 def settings_flag_specs() -> tuple[FlagSpec, ...]:
     """One FlagSpec per setting that has a flag (every field but model.name), in declaration order."""
     return _SPECS
+
+
+def export_prometheus_multiproc_dir(path: str) -> None:
+    """Point prometheus-client's multiprocess mode at `path` for the processes started from now on
+    (`izh serve --api-server-count N`; read when they import prometheus_client)."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path

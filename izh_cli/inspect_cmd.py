@@ -391,6 +391,28 @@ def _finish_table(snap: Snapshot) -> RenderableType:
     return table
 
 
+def _engines_table(snap: Snapshot) -> RenderableType:
+    """One row per engine core (izh with --data-parallel-size > 1): KV use, running, waiting."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="Engine cores", title_justify="left")
+    for header in ("core", "pid", "state", "KV", "running", "waiting"):
+        table.add_column(header, justify="left" if header in ("core", "state") else "right")
+    for row in snap.engines:
+        state = ("alive", "green") if row.alive else (f"dead: {row.dead_reason or '?'}", "bold red")
+        usage = row.kv_cache_usage
+        table.add_row(
+            str(row.engine),
+            str(row.pid) if row.pid is not None else "-",
+            f"[{state[1]}]{escape(state[0])}[/]",
+            f"[{usage_color(usage)}]{_pct(usage)}[/]" if usage is not None and row.alive else "-",
+            _num(row.running) if row.alive else "-",
+            _num(row.waiting) if row.alive else "-",
+        )
+    return table
+
+
 def render(snap: Snapshot, interval: float) -> RenderableType:
     """The whole dashboard for one snapshot."""
     from rich.console import Group
@@ -404,5 +426,7 @@ def render(snap: Snapshot, interval: float) -> RenderableType:
         bottom = Table.grid(padding=(0, 2))
         bottom.add_row(_latency_table(snap), _finish_table(snap))
         parts += [top, bottom]
+        if len(snap.engines) > 1:
+            parts.append(_engines_table(snap))
     parts += [Text(note, style="yellow") for note in snap.notes]
     return Group(*parts)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 QUANTILES = (0.5, 0.95, 0.99)
@@ -274,6 +274,39 @@ class BlockCounts:
 
 
 @dataclass(slots=True)
+class EngineRow:
+    """One engine core as izh's /v1/izh/stats lists it under ``engines``."""
+
+    engine: int
+    alive: bool
+    pid: int | None = None
+    kv_cache_usage: float | None = None
+    running: float | None = None
+    waiting: float | None = None
+    dead_reason: str | None = None
+
+    @classmethod
+    def parse(cls, entry: Any) -> EngineRow | None:
+        if not isinstance(entry, dict) or not isinstance(entry.get("engine"), int):
+            return None
+
+        def number(key: str) -> float | None:
+            value = entry.get(key)
+            return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+        pid, reason = entry.get("pid"), entry.get("dead_reason")
+        return cls(
+            engine=entry["engine"],
+            alive=entry.get("alive") is not False,
+            pid=pid if isinstance(pid, int) else None,
+            kv_cache_usage=number("kv_cache_usage"),
+            running=number("num_running"),
+            waiting=number("num_waiting"),
+            dead_reason=reason if isinstance(reason, str) else None,
+        )
+
+
+@dataclass(slots=True)
 class Snapshot:
     """What the dashboard shows at one moment; ``to_dict`` is the ``--once --json`` output."""
 
@@ -311,13 +344,16 @@ class Snapshot:
     """Paths that did not answer within the timeout (the snapshot shows what the others said)."""
     stats_age_s: float | None = None
     """How old izh's engine stats were when the server answered (it publishes them; see /v1/izh/stats)."""
+    engines: list[EngineRow] = field(default_factory=list)
+    """izh's engine cores, one row each (`izh serve --data-parallel-size N`: N of them)."""
 
     def to_dict(self, with_block_states: bool = False) -> dict[str, Any]:
         data = {
             name: getattr(self, name)
             for name in self.__slots__
-            if name not in ("kv_blocks", "kv_block_states")
+            if name not in ("kv_blocks", "kv_block_states", "engines")
         }
+        data["engines"] = [asdict(row) for row in self.engines]
         blocks = self.kv_blocks
         data["kv_blocks"] = None if blocks is None else {
             "used": blocks.used, "cached": blocks.cached, "free": blocks.free, "total": blocks.total,
@@ -457,6 +493,9 @@ def apply_izh_stats(snap: Snapshot, stats: dict[str, Any]) -> None:
         snap.in_flight = float(stats["num_requests_in_flight"])
     if isinstance(stats.get("stats_age_s"), int | float):
         snap.stats_age_s = float(stats["stats_age_s"])
+    engines = stats.get("engines")
+    if isinstance(engines, list):
+        snap.engines = [row for row in map(EngineRow.parse, engines) if row is not None]
 
 
 def uptime_from_metrics(scrape: Scrape, wall_now: float) -> float | None:

@@ -22,6 +22,7 @@ import typer
 
 from izh_cli._common import ConfigOption, cli_errors, load_cli_settings, stderr_console, transfer_progress
 from izh_cli._common import with_settings_flags as _with_settings_flags
+from izh_cli.serve_multi import needs_supervisor, serve_supervised
 from izh_cli.tp_node import run_worker_node, with_rendezvous_env
 
 if TYPE_CHECKING:
@@ -61,11 +62,13 @@ def serve(
             path = resolve_model(
                 settings.model.name, settings.model.cache_dir, download=True, progress=progress
             )
-        engine_config = default_engine_threads(settings.to_engine_config(str(path)))
-        engine_config = with_rendezvous_env(engine_config)
+        engine_config = with_rendezvous_env(settings.to_engine_config(str(path)))
         if not engine_config.serves:  # a tensor-parallel worker host (docs/operations.md)
-            raise typer.Exit(run_worker_node(engine_config))
-        code = asyncio.run(_serve(settings, engine_config))
+            raise typer.Exit(run_worker_node(default_engine_threads(engine_config)))
+        if needs_supervisor(settings):  # --api-server-count / --data-parallel-size > 1
+            code = serve_supervised(settings, engine_config)
+        else:
+            code = asyncio.run(_serve(settings, default_engine_threads(engine_config)))
     raise typer.Exit(code)
 
 

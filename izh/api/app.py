@@ -70,6 +70,7 @@ def build_app(
     *,
     limits: LimitSettings | None = None,
     rate_limits: RateLimitSettings | None = None,
+    api_index: int | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over a started `llm` (the caller starts and shuts it down), as the
     `[server]`, `[limits]` and `[rate_limits]` settings sections say (each defaults to its section's
@@ -84,6 +85,10 @@ def build_app(
     (least recently used evicted). With `server.web_ui`, the chat page (/) and the dashboard
     (/dashboard) are served, public, from izh.api.webui. Raises ValueError for an unknown
     `reasoning_parser` or `tool_call_parser`, or two keys with the same id.
+
+    `api_index`: this app is API process `api_index` of several (`izh serve --api-server-count`):
+    its request ids start with "a<index>-", /metrics merges every process's values (prometheus-client
+    multiprocess mode) and only process 0 records the engine-side metrics.
     """
     s = server if server is not None else ServerSettings()
     tokenizer = llm.tokenizer
@@ -98,6 +103,8 @@ def build_app(
             "num_gpu_blocks": str(engine_ready.num_blocks),
             "cache_dtype": engine_ready.dtype,
         },
+        multiprocess=api_index is not None,
+        engine_metrics=api_index is None or api_index == 0,
     )
     # AsyncLLM reports to every logger in this list; the lifespan takes ours out at shutdown.
     llm.stat_loggers.loggers.append(stat_logger)
@@ -158,6 +165,7 @@ def build_app(
         cache_salt_per_key=s.cache_salt_per_key,
         request_log=RequestLogger(enabled=s.log_requests, log_prompts=s.log_prompts),
         default_max_tokens=app.state.izh.sampling_defaults.get("max_tokens", engine_ready.max_model_len),
+        request_id_prefix=f"a{api_index}-" if api_index is not None else "",
     )
     app.state.guard = policy
     app.add_middleware(RequestGuardMiddleware, policy=policy)

@@ -151,6 +151,8 @@ class GuardPolicy:
     request_log: RequestLogger
     default_max_tokens: int
     """The chat max_tokens a request gets when it sets none (for the rate-limit estimate)."""
+    request_id_prefix: str = ""
+    """Starts every made request id ("a1-" in API process 1 of several): ids stay unique across them."""
 
 
 class RequestGuardMiddleware:
@@ -190,7 +192,10 @@ class RequestGuardMiddleware:
             return
         headers = Headers(scope=scope)
         client_id = sanitize_request_id(headers.get("x-request-id"))
-        request_id = f"{client_id}-{secrets.token_hex(4)}" if client_id else uuid.uuid4().hex
+        prefix = self.policy.request_id_prefix
+        request_id = (
+            f"{client_id}-{prefix}{secrets.token_hex(4)}" if client_id else f"{prefix}{uuid.uuid4().hex}"
+        )
         scope.setdefault("state", {})["request_id"] = request_id
         record = RequestRecord(request_id, scope["method"], scope["path"], time.monotonic())
         echoed = client_id or request_id

@@ -3,11 +3,20 @@
 Same names (after the prefix), labels and bucket edges as vLLM's `vllm:` metrics, so vLLM's Grafana
 dashboard and the vllm-htop / vllm-top monitors work on izh by swapping the prefix. Each app owns
 its own CollectorRegistry, so several apps (tests) can live in one process.
+
+Several API processes (`izh serve --api-server-count N`) use prometheus-client's multiprocess mode:
+the supervisor points PROMETHEUS_MULTIPROC_DIR at a fresh directory before it starts them, each
+process writes its values there, and /metrics, in whichever process answers, merges every process's
+files (counters and histograms summed). The engine-side metrics (scheduler gauges, prefix-cache and
+preemption counters, iteration tokens) come from the cores' stats, which every API process receives:
+only API process 0 (`engine_metrics`) records them, so they count once per core, labelled with the
+core's index (`engine`).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import (
@@ -18,6 +27,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from izh.frontend.stats import RequestMetrics
 from izh.protocol import SchedulerStats
@@ -74,11 +84,20 @@ class PrometheusStatLogger:
         max_model_len: int,
         cache_config: dict[str, str] | None = None,
         engine_index: int = 0,
+        multiprocess: bool = False,
+        engine_metrics: bool = True,
     ) -> None:
+        """`multiprocess`: render every API process's values (prometheus-client's multiprocess
+        mode, set up by the supervisor); `engine_metrics`: record the cores' scheduler stats (one
+        API process of several does)."""
         self.registry = CollectorRegistry(auto_describe=True)
+        self.multiprocess = multiprocess
+        self.engine_metrics = engine_metrics
+        self._model_name = model_name
         self._labels = (model_name, str(engine_index))
         self._last_token_time: dict[str, float] = {}
-        self._last_cumulative: dict[str, int] = {}
+        self._last_cumulative: dict[tuple[int, str], int] = {}
+        self._engines: dict[int, _EngineMetrics] = {}
         self._make_latency_metrics()
         self._make_request_metrics(max_model_len)
         self._make_scheduler_metrics()
@@ -93,8 +112,9 @@ class PrometheusStatLogger:
     def _counter(self, name: str, doc: str) -> Any:
         return Counter(name, doc, LABELS, registry=self.registry).labels(*self._labels)
 
-    def _gauge(self, name: str, doc: str) -> Any:
-        return Gauge(name, doc, LABELS, registry=self.registry).labels(*self._labels)
+    def _gauge_family(self, name: str, doc: str, labels: tuple[str, ...] = LABELS) -> Gauge:
+        # One process writes each gauge; "mostrecent" shows its value without a pid label.
+        return Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="mostrecent")
 
     def _make_latency_metrics(self) -> None:
         self.ttft = self._histogram(
@@ -180,40 +200,79 @@ class PrometheusStatLogger:
         )
 
     def _make_scheduler_metrics(self) -> None:
-        self.num_running = self._gauge(
+        """The families; each core's series (label `engine`) on its first stats (`_engine`)."""
+        self._num_running = self._gauge_family(
             "izh:num_requests_running", "Number of requests in model execution batches."
         )
-        self.num_waiting = self._gauge(
+        self._num_waiting = self._gauge_family(
             "izh:num_requests_waiting", "Number of requests waiting to be processed."
         )
-        self.kv_cache_usage = self._gauge(
+        self._kv_cache_usage = self._gauge_family(
             "izh:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
         )
-        self.prefix_cache_queries = self._counter(
-            "izh:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        self._prefix_cache_queries = Counter(
+            "izh:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            LABELS,
+            registry=self.registry,
         )
-        self.prefix_cache_hits = self._counter(
-            "izh:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        self._prefix_cache_hits = Counter(
+            "izh:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            LABELS,
+            registry=self.registry,
         )
-        self.num_preemptions = self._counter(
-            "izh:num_preemptions", "Cumulative number of preemption from the engine."
+        self._num_preemptions = Counter(
+            "izh:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            LABELS,
+            registry=self.registry,
         )
         # vLLM's legacy quirk: a histogram whose name already ends in _total.
-        self.iteration_tokens = self._histogram(
+        self._iteration_tokens = Histogram(
             "izh:iteration_tokens_total",
             "Histogram of number of tokens per engine_step.",
-            ITERATION_TOKEN_BUCKETS,
+            LABELS,
+            buckets=ITERATION_TOKEN_BUCKETS,
+            registry=self.registry,
         )
+        # izh's own: data-parallel routing (izh.frontend.dp_router), by core and kind.
+        self._dp_routed = Counter(
+            "izh:dp_routed_requests",
+            "Requests routed to a data-parallel engine core, by route: affinity (to the core holding its "
+            "prompt prefix), rebalanced (that core was too busy or dead), load (no known prefix).",
+            [*LABELS, "route"],
+            registry=self.registry,
+        )
+        if self.engine_metrics:
+            self._engine(0)  # a single core's series exist from the start
+
+    def _engine(self, index: int) -> _EngineMetrics:
+        metrics = self._engines.get(index)
+        if metrics is None:
+            labels = (self._model_name, str(index))
+            metrics = _EngineMetrics(
+                num_running=self._num_running.labels(*labels),
+                num_waiting=self._num_waiting.labels(*labels),
+                kv_cache_usage=self._kv_cache_usage.labels(*labels),
+                prefix_cache_queries=self._prefix_cache_queries.labels(*labels),
+                prefix_cache_hits=self._prefix_cache_hits.labels(*labels),
+                num_preemptions=self._num_preemptions.labels(*labels),
+                iteration_tokens=self._iteration_tokens.labels(*labels),
+            )
+            self._engines[index] = metrics
+        return metrics
 
     def _make_info(self, cache_config: dict[str, str]) -> None:
         names = sorted(cache_config)
-        info = Gauge(
-            "izh:cache_config_info",
-            "Information of the KV cache config.",
-            [*LABELS, *names],
-            registry=self.registry,
+        info = self._gauge_family(
+            "izh:cache_config_info", "Information of the KV cache config.", (*LABELS, *names)
         )
         info.labels(*self._labels, *(str(cache_config[name]) for name in names)).set(1)
+
+    def on_route(self, engine: int, route: str) -> None:
+        """A request was routed to data-parallel core `engine` (izh.frontend.dp_router's kinds)."""
+        self._dp_routed.labels(self._model_name, str(engine), route).inc()
 
     def on_api_request(self, n: int, endpoint: str) -> None:
         """One admitted generation request to `endpoint` (its path) asking for `n` samples per prompt.
@@ -282,24 +341,47 @@ class PrometheusStatLogger:
                 self.queue_time.observe(max(m.scheduled_ts - m.queued_ts, 0.0))
 
     def on_scheduler_stats(self, s: SchedulerStats) -> None:
-        """Gauges from the latest stats; counters advance by the growth of the cumulative values."""
-        self.num_running.set(s.num_running)
-        self.num_waiting.set(s.num_waiting)
-        self.kv_cache_usage.set(s.kv_cache_usage)
-        self._advance("prefix_cache_queries", s.prefix_cache_queries, self.prefix_cache_queries)
-        self._advance("prefix_cache_hits", s.prefix_cache_hits, self.prefix_cache_hits)
-        self._advance("num_preemptions", s.num_preemptions, self.num_preemptions)
+        """Gauges from the latest stats of core `s.engine_index`; counters advance by the growth of
+        the cumulative values."""
+        if not self.engine_metrics:
+            return
+        index = s.engine_index
+        m = self._engine(index)
+        m.num_running.set(s.num_running)
+        m.num_waiting.set(s.num_waiting)
+        m.kv_cache_usage.set(s.kv_cache_usage)
+        self._advance(index, "prefix_cache_queries", s.prefix_cache_queries, m.prefix_cache_queries)
+        self._advance(index, "prefix_cache_hits", s.prefix_cache_hits, m.prefix_cache_hits)
+        self._advance(index, "num_preemptions", s.num_preemptions, m.num_preemptions)
         for num_tokens in s.iteration_tokens:
-            self.iteration_tokens.observe(num_tokens)
+            m.iteration_tokens.observe(num_tokens)
 
-    def _advance(self, key: str, cumulative: int, counter: Any) -> None:
-        last = self._last_cumulative.get(key, 0)
+    def _advance(self, index: int, key: str, cumulative: int, counter: Any) -> None:
+        last = self._last_cumulative.get((index, key), 0)
         # A restarted core counts from zero again: its whole count is new.
         counter.inc(cumulative - last if cumulative >= last else cumulative)
-        self._last_cumulative[key] = cumulative
+        self._last_cumulative[(index, key)] = cumulative
 
     # --- exposition -------------------------------------------------------------------------------
 
     def render(self) -> tuple[bytes, str]:
-        """The exposition text and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The exposition text and its content type: this app's metrics, or (multiprocess) every
+        API process's merged."""
+        if not self.multiprocess:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+@dataclass(slots=True)
+class _EngineMetrics:
+    """One core's series of the engine-side metrics."""
+
+    num_running: Any
+    num_waiting: Any
+    kv_cache_usage: Any
+    prefix_cache_queries: Any
+    prefix_cache_hits: Any
+    num_preemptions: Any
+    iteration_tokens: Any

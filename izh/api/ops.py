@@ -1,7 +1,8 @@
 """The operational routes and the OpenAPI document: /health, /ready, /version, /metrics, /v1/izh/stats.
 
 /health is liveness (503 once the engine core is dead for good), /ready readiness (also red while
-the core restarts, hangs or the server drains), /metrics the Prometheus text of izh.api.metrics,
+the core restarts, hangs or the server drains; with data parallel cores, 200 with status "degraded"
+while at least one core serves and another is dead), /metrics the Prometheus text of izh.api.metrics,
 /v1/izh/stats the engine core's latest scheduler and KV-block snapshot for the dashboard. Their
 errors, like every route's, are IzhErrors that izh.api.errors turns into OpenAI's envelope.
 """
@@ -26,16 +27,32 @@ from izh.errors import EngineDead, Overloaded
 
 async def health(request: Request) -> Response:
     """Liveness: 200 while the process can serve (or is replacing its core), 503 once the engine
-    core is dead for good (a supervisor restarts us)."""
+    core is dead for good (a supervisor restarts us). With data-parallel cores, 200 with status
+    "degraded" (and which cores are dead) while some live, 503 once none does."""
     llm = api_state(request).llm
     if llm.is_dead:
         raise EngineDead(f"the engine core is dead: {llm.dead_reason}")
-    return JSONResponse({"status": "ok"})
+    return JSONResponse(_degraded(llm.client) or {"status": "ok"})
+
+
+def _degraded(client: Any) -> dict[str, Any] | None:
+    """With data parallel cores of which some (not all) are dead: what /health and /ready say."""
+    dead: dict[int, str] = getattr(client, "dead_engines", {})
+    if not dead:
+        return None
+    total = int(client.num_engines)
+    return {
+        "status": "degraded",
+        "engines_alive": total - len(dead),
+        "engines_total": total,
+        "dead_engines": [{"engine": k, "reason": reason} for k, reason in sorted(dead.items())],
+    }
 
 
 async def ready(request: Request) -> Response:
     """Readiness: 200 only while the model is loaded, the core answered a heartbeat within the
-    timeout, no core restart is under way and the server is not draining."""
+    timeout, no core restart is under way and the server is not draining. With data-parallel cores:
+    every live one answered in time; some dead and some alive is 200 with status "degraded"."""
     llm = api_state(request).llm
     if llm.is_dead:
         raise EngineDead(f"the engine core is dead: {llm.dead_reason}")
@@ -48,7 +65,7 @@ async def ready(request: Request) -> Response:
             f"the engine core has not answered for {llm.client.seconds_since_alive:.1f} s (hung?)",
             code="engine_unresponsive",
         )
-    return JSONResponse({"status": "ready"})
+    return JSONResponse(_degraded(llm.client) or {"status": "ready"})
 
 
 async def version(request: Request) -> Response:
@@ -80,6 +97,7 @@ async def izh_stats(request: Request) -> Response:
             "scheduler": stats,
             "kv_block_states": blocks,
             "kv_block_states_age_s": blocks_age_s,
+            "engines": llm.client.engine_states(),
         }
     )
 

@@ -5,6 +5,15 @@ The frontend picks `ipc://` paths in a private temp dir and binds the output PUL
 connects its output PUSH socket there and binds the input PULL socket. Only the busy-loop thread
 touches the EngineCore; the I/O threads only decode and encode, and libzmq releases the GIL while
 it waits, so I/O overlaps steps.
+
+Several frontends (`izh serve --api-server-count N`, izh_cli/serve_multi.py): the core is given one
+output address per frontend, all bound by the frontends, and connects a PUSH socket to each. Every
+frontend's PUSH connects to the one input PULL (fair-queued). AddRequest and Utility carry the
+sender's `client_index`; the output thread sends each request's outputs, and each utility's answer,
+to that frontend only, and the stats, Ready and Dead to all of them. The output sockets have no
+high-water mark and send without blocking: a frontend that falls behind (a GC pause) gets every
+message later, and one that is gone (killed) never blocks the others; its queue grows only until the
+supervisor, which stops the whole server when an API process dies, stops the core.
 """
 
 from __future__ import annotations
@@ -96,34 +105,43 @@ class _InputClosed:
 def run_engine_core(
     config: EngineConfig,
     input_addr: str,
-    output_addr: str,
+    output_addr: str | list[str],
     core_factory: str = DEFAULT_CORE_FACTORY,
     log_level: int | None = None,
 ) -> None:
     """Build the core, send Ready (or Dead and return), then serve until Shutdown.
+
+    `output_addr` is the frontend's output address, or one per frontend (its list index is the
+    frontend's `client_index`).
 
     `core_factory` is "module:attribute", called with the config. In the process's main thread this
     also names the process "EngineCore", configures logging at `log_level` and sets the signal
     handlers. An exception in step() sends Dead and raises SystemExit(1) (a thread just ends).
     """
     in_main_thread = threading.current_thread() is threading.main_thread()
+    output_addrs = [output_addr] if isinstance(output_addr, str) else list(output_addr)
     if in_main_thread:
         # SIGTERM stays pending until the I/O threads run and own their sockets. The threads inherit
         # the mask, so the signal then reaches only this thread, and no start-up it interrupts can
         # leave a socket that nobody closes (ctx.term() would wait for it forever).
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        ipc_paths = [a.removeprefix("ipc://") for a in (input_addr, output_addr) if a.startswith("ipc://")]
-        _setup_process(log_level, ipc_paths)
+        addrs = [input_addr, *output_addrs]
+        _setup_process(log_level, [a.removeprefix("ipc://") for a in addrs if a.startswith("ipc://")])
     ctx = zmq.Context()
-    out_sock = ctx.socket(zmq.PUSH)
-    out_sock.setsockopt(zmq.LINGER, _LINGER_MS)
-    out_sock.connect(output_addr)
+    out_socks = []
+    for addr in output_addrs:
+        out_sock = ctx.socket(zmq.PUSH)
+        out_sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        if len(output_addrs) > 1:
+            out_sock.setsockopt(zmq.SNDHWM, 0)  # see the module docstring: never drop, never block
+        out_sock.connect(addr)
+        out_socks.append(out_sock)
     in_sock = ctx.socket(zmq.PULL)
     in_sock.setsockopt(zmq.LINGER, 0)
     # Bound before Ready: the frontend connects once it is ready, and its first sends then queue
     # at once (a connecting PUSH gets its pipe immediately; a binding one only when a peer shows).
     in_sock.bind(input_addr)
-    loop = EngineCoreProc(in_sock, out_sock)
+    loop = EngineCoreProc(in_sock, out_socks)
     loop.start_io()
     if in_main_thread:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
@@ -259,16 +277,27 @@ def _set_kernel_thread_name(name: bytes) -> None:
         pass
 
 
+@dataclass(slots=True)
+class _Targeted:
+    """A message for one frontend only (a UtilityResult for its caller)."""
+
+    client_index: int
+    msg: EngineMessage
+
+
 class EngineCoreProc:
     """The busy loop around one core, with its input and output threads."""
 
-    def __init__(self, in_sock: zmq.Socket, out_sock: zmq.Socket) -> None:
+    def __init__(self, in_sock: zmq.Socket, out_sock: zmq.Socket | list[zmq.Socket]) -> None:
         self.core: EngineCoreLike  # set by run() once built
         self._has_core = False
         self._in_sock = in_sock
-        self._out_sock = out_sock
+        self._out_socks = [out_sock] if isinstance(out_sock, zmq.Socket) else list(out_sock)
+        self._out_sock = self._out_socks[0]
+        self._owners: dict[str, int] = {}
+        """request id -> client_index, for requests of frontends other than 0 (several frontends)."""
         self._inputs: queue.SimpleQueue[EngineInput | _InputClosed] = queue.SimpleQueue()
-        self._outputs: queue.SimpleQueue[EngineMessage | None] = queue.SimpleQueue()
+        self._outputs: queue.SimpleQueue[EngineMessage | _Targeted | None] = queue.SimpleQueue()
         self._input_thread = threading.Thread(target=self._input_loop, name="EngineCoreInput", daemon=True)
         self._output_thread = threading.Thread(target=self._output_loop, name="EngineCoreOutput", daemon=True)
         self._last_stats_time = 0.0
@@ -308,7 +337,8 @@ class EngineCoreProc:
         It is a daemon, so a process exit never waits for it."""
         self._outputs.put(None)
         self._output_thread.join()
-        self._out_sock.close()
+        for sock in self._out_socks:
+            sock.close()
         if self._has_core:
             self._shutdown_core()
 
@@ -398,7 +428,7 @@ class EngineCoreProc:
         elif isinstance(msg, Abort):
             self._send_outputs(self.core.abort_requests(msg.request_ids))
         elif isinstance(msg, Utility):
-            self._outputs.put(self._call_utility(msg))
+            self._outputs.put(_Targeted(msg.client_index, self._call_utility(msg)))
         elif isinstance(msg, Shutdown):
             logger.info("EngineCore shutting down")
             self._stopping = True
@@ -460,6 +490,8 @@ class EngineCoreProc:
                 except Exception as exc:  # SamplingParams' checks raise InvalidRequest while decoding
                     self._reject_undecodable(frame.buffer, exc)
                     continue
+                if type(msg) is AddRequest and msg.client_index:
+                    self._owners[msg.request_id] = msg.client_index
                 self._inputs.put(msg)
         except zmq.ContextTerminated:
             pass
@@ -470,10 +502,12 @@ class EngineCoreProc:
 
     def _reject_undecodable(self, buffer: memoryview, exc: Exception) -> None:
         """An AddRequest that fails validation (e.g. SamplingParams) fails alone, with a 400."""
-        request_id = _peek_request_id(buffer)
+        request_id, client_index = _peek_request_id(buffer)
         logger.warning("undecodable input (request %s): %s", request_id, _one_line(exc))
         if request_id is None:
             return
+        if client_index:
+            self._owners[request_id] = client_index
         failed = EngineOutput(
             request_id=request_id,
             new_token_ids=[],
@@ -486,10 +520,15 @@ class EngineCoreProc:
     def _output_loop(self) -> None:
         """Encode and send queued messages until the None sentinel."""
         encoder = make_encoder()
+        if len(self._out_socks) > 1:
+            self._fanout_loop(encoder)
+            return
         while True:
             msg = self._outputs.get()
             if msg is None:
                 return
+            if type(msg) is _Targeted:
+                msg = msg.msg
             data = encoder.encode(msg)
             try:
                 self._out_sock.send(data, 0, copy=len(data) < _ZERO_COPY_MIN_BYTES)
@@ -497,11 +536,58 @@ class EngineCoreProc:
                 logger.warning("EngineCore output send failed: %s", exc)
                 return
 
+    def _fanout_loop(self, encoder: msgspec.msgpack.Encoder) -> None:
+        """Several frontends: each request's outputs to its own, stats, Ready and Dead to all."""
+        socks = self._out_socks
+        owners = self._owners
+        dropped = [False] * len(socks)
 
-def _peek_request_id(buffer: memoryview) -> str | None:
+        def send(index: int, msg: EngineMessage) -> None:
+            data = encoder.encode(msg)
+            try:
+                socks[index].send(data, zmq.NOBLOCK, copy=len(data) < _ZERO_COPY_MIN_BYTES)
+            except zmq.Again:  # no high-water mark: only if libzmq cannot queue at all
+                if not dropped[index]:
+                    dropped[index] = True
+                    logger.warning("frontend %d cannot take its outputs; dropping them", index)
+            except zmq.ZMQError as exc:
+                logger.warning("EngineCore output send to frontend %d failed: %s", index, exc)
+
+        while True:
+            item = self._outputs.get()
+            if item is None:
+                return
+            if type(item) is _Targeted:
+                send(item.client_index, item.msg)
+            elif type(item) is EngineOutputs:
+                buckets: dict[int, list[EngineOutput]] = {}
+                for eo in item.outputs:
+                    index = owners.get(eo.request_id, 0)
+                    if eo.finish_reason is not None and index:
+                        del owners[eo.request_id]
+                    buckets.setdefault(index, []).append(eo)
+                for index in range(len(socks)):
+                    outputs = buckets.get(index)
+                    if outputs or item.stats is not None:
+                        send(
+                            index,
+                            EngineOutputs(outputs=outputs or [], timestamp=item.timestamp, stats=item.stats),
+                        )
+            else:
+                for index in range(len(socks)):
+                    send(index, item)  # type: ignore[arg-type]  # Ready, Dead (UtilityResults are _Targeted)
+
+
+def _peek_request_id(buffer: memoryview) -> tuple[str | None, int]:
+    """An undecodable AddRequest's id and client_index, if they can be read at all."""
     try:
         raw = msgspec.msgpack.decode(buffer)
     except msgspec.DecodeError:
-        return None
-    request_id = raw.get("request_id") if isinstance(raw, dict) else None
-    return request_id if isinstance(request_id, str) else None
+        return None, 0
+    if not isinstance(raw, dict):
+        return None, 0
+    request_id, client_index = raw.get("request_id"), raw.get("client_index", 0)
+    return (
+        request_id if isinstance(request_id, str) else None,
+        client_index if type(client_index) is int else 0,
+    )

@@ -222,6 +222,8 @@ def _request_error(out: RequestOutput) -> IzhError:
     message = out.error or "the request failed"
     if out.error_code == 400:
         return InvalidRequest(message)
+    if out.error_code == 503:
+        return EngineDead(message)  # its engine core died (data parallel: the others serve on)
     return IzhError(message)
 
 

@@ -10,6 +10,12 @@ and a heartbeat (a ping not answered within `heartbeat_timeout_s`: the core hang
 
 The core publishes its stats on its outputs; the output loop keeps the latest (`latest_stats`), so a
 dashboard reads them at once instead of waiting for the core to finish its current step.
+
+With `attach` (an `AttachedCore`), the client starts nothing: `izh serve --api-server-count N` (or
+`--data-parallel-size N`) starts the cores itself and hands each API process the addresses, its
+`client_index` and the core's pid. The client then binds its own output address, stamps its index on
+what it sends, watches the pid (a pidfd: the core is not its child) and, on shutdown, leaves the core
+to its owner.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.process
+import os
 import shutil
 import signal
 import tempfile
@@ -27,6 +34,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -36,6 +44,7 @@ from izh.config import EngineConfig
 from izh.engine.core_proc import DEFAULT_CORE_FACTORY, run_engine_core
 from izh.errors import EngineDead, IzhError, ModelLoadError
 from izh.protocol import (
+    AddRequest,
     Dead,
     EngineInput,
     EngineMessage,
@@ -60,6 +69,20 @@ _DEAD_MESSAGE_GRACE_S = 0.5
 _TERMINATE_WAIT_S = 3.0
 
 
+@dataclass(frozen=True, slots=True)
+class AttachedCore:
+    """A core another process started (izh serve's supervisor), and this frontend's place at it."""
+
+    input_addr: str
+    """The core's input address (it binds it)."""
+    output_addr: str
+    """This frontend's output address (this client binds it; the core connects to it)."""
+    client_index: int
+    """This frontend's index among the core's frontends (its position in the core's output list)."""
+    pid: int | None = None
+    """The core process, watched for its exit."""
+
+
 class EngineCoreClient:
     """The frontend's end of the engine core: sockets, process, output loop and watchdogs.
 
@@ -78,6 +101,7 @@ class EngineCoreClient:
         core_factory: str = DEFAULT_CORE_FACTORY,
         heartbeat_interval_s: float = 5.0,
         heartbeat_timeout_s: float = 30.0,
+        attach: AttachedCore | None = None,
     ) -> None:
         if core_mode not in CORE_MODES:
             raise ValueError(f"core_mode must be one of {', '.join(CORE_MODES)}, got {core_mode!r}")
@@ -106,9 +130,16 @@ class EngineCoreClient:
         self._block_map: bytes | None = None
         self._block_map_ts = 0.0
 
-        self._tmp_dir = tempfile.mkdtemp(prefix="izh-core-")
-        self.input_addr = f"ipc://{self._tmp_dir}/input.sock"
-        self.output_addr = f"ipc://{self._tmp_dir}/output.sock"
+        self.attach = attach
+        self.client_index = attach.client_index if attach is not None else 0
+        self._pidfd: int | None = None
+        if attach is None:
+            self._tmp_dir: str | None = tempfile.mkdtemp(prefix="izh-core-")
+            self.input_addr = f"ipc://{self._tmp_dir}/input.sock"
+            self.output_addr = f"ipc://{self._tmp_dir}/output.sock"
+        else:
+            self._tmp_dir = None
+            self.input_addr, self.output_addr = attach.input_addr, attach.output_addr
         self._ctx = zmq.Context()
         self._in_sock = self._ctx.socket(zmq.PUSH)
         self._in_sock.setsockopt(zmq.SNDHWM, 0)
@@ -124,7 +155,10 @@ class EngineCoreClient:
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._thread: threading.Thread | None = None
         try:
-            self._start_core(core_factory)
+            if attach is None:
+                self._start_core(core_factory)
+            else:
+                self._watch_pid(attach.pid)
         except BaseException:
             _cleanup(None, self._ctx, self._tmp_dir)
             raise
@@ -142,8 +176,9 @@ class EngineCoreClient:
         ready_timeout_s: float = 600.0,
         heartbeat_interval_s: float = 5.0,
         heartbeat_timeout_s: float = 30.0,
+        attach: AttachedCore | None = None,
     ) -> EngineCoreClient:
-        """Start the core and wait for Ready.
+        """Start the core (or, with `attach`, connect to a running one) and wait for Ready.
 
         Raises ModelLoadError with the core's reason if it sends Dead while starting, and EngineDead
         if it exits without a word or is not ready within `ready_timeout_s`.
@@ -156,6 +191,7 @@ class EngineCoreClient:
             core_factory=core_factory,
             heartbeat_interval_s=heartbeat_interval_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
+            attach=attach,
         )
         try:
             client.ready = await client._wait_ready(ready_timeout_s)
@@ -202,9 +238,15 @@ class EngineCoreClient:
             return [], None
         return list(self._block_map), max(0.0, time.monotonic() - self._block_map_ts)
 
+    def engine_states(self) -> list[dict[str, Any]]:
+        """This core as /v1/izh/stats lists it (`engines`; a DataParallelClient lists each)."""
+        return [engine_state(self, 0)]
+
     @property
     def core_pid(self) -> int | None:
         """The core process's id (None in thread mode)."""
+        if self.attach is not None:
+            return self.attach.pid
         return self._proc.pid if self._proc is not None else None
 
     # --- starting -------------------------------------------------------------------------------
@@ -225,6 +267,31 @@ class EngineCoreClient:
                 target=self._thread_main, args=args, name="EngineCore", daemon=True
             )
             self._thread.start()
+
+    def _watch_pid(self, pid: int | None) -> None:
+        """An attached core is not our child: a pidfd tells when it exits (exit status unknown)."""
+        if pid is None:
+            return
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._loop.call_soon(self._set_core_exited, None)
+            return
+        except (AttributeError, OSError) as exc:  # no pidfds here (not Linux >= 5.3)
+            logger.info("cannot watch the engine core's pid (%s); the heartbeat alone watches it", exc)
+            return
+        self._loop.add_reader(self._pidfd, self._on_pid_exit)
+
+    def _on_pid_exit(self) -> None:
+        self._close_pidfd()
+        self._set_core_exited(None)
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
 
     def _thread_main(self, *args: Any) -> None:
         """Debug mode: the core loop in this process; report its end like a process exit."""
@@ -288,6 +355,8 @@ class EngineCoreClient:
             raise EngineDead(f"the engine core is dead: {self._dead_reason}")
         if self._closed:
             raise EngineDead("the engine core was shut down")
+        if self.client_index and type(msg) in (AddRequest, Utility):
+            msg.client_index = self.client_index  # type: ignore[union-attr]
         data = self._encoder.encode(msg)
         try:
             # A connected PUSH with no high-water mark queues and never blocks; NOBLOCK makes
@@ -428,6 +497,13 @@ class EngineCoreClient:
         self._closing = True
         for task in self._tasks:
             task.cancel()
+        if self.attach is not None:
+            # The core is its owner's (izh serve's supervisor) to stop; it serves other frontends.
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            self._close_pidfd()
+            self._release()
+            self._fail_pending_calls()
+            return
         if (
             (self._dead_reason is not None or timeout_s <= 0)
             and self._proc is not None
@@ -453,6 +529,9 @@ class EngineCoreClient:
             logger.warning("EngineCore thread did not exit within %.1f s; abandoning it", timeout_s)
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._release()
+        self._fail_pending_calls()
+
+    def _fail_pending_calls(self) -> None:
         error = EngineDead("the engine core was shut down")
         for future in self._pending_calls.values():
             if not future.done():
@@ -473,7 +552,9 @@ class EngineCoreClient:
         self._finalizer()  # closes the context, removes the temp dir, reaps the process
 
 
-def _cleanup(proc: multiprocessing.process.BaseProcess | None, ctx: zmq.Context[Any], tmp_dir: str) -> None:
+def _cleanup(
+    proc: multiprocessing.process.BaseProcess | None, ctx: zmq.Context[Any], tmp_dir: str | None
+) -> None:
     """Release what a client holds; runs once, from shutdown(), garbage collection or atexit."""
     if proc is not None:
         if proc.is_alive():
@@ -483,7 +564,27 @@ def _cleanup(proc: multiprocessing.process.BaseProcess | None, ctx: zmq.Context[
             proc.kill()
         proc.join()
     ctx.destroy(linger=0)
-    shutil.rmtree(tmp_dir, ignore_errors=True)
+    if tmp_dir is not None:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def engine_state(client: EngineCoreClient, index: int, dead_reason: str | None = None) -> dict[str, Any]:
+    """One core as /v1/izh/stats shows it (`engines`)."""
+    stats, age = client.latest_stats()
+    reason = dead_reason or client.dead_reason
+    return {
+        "engine": index,
+        "pid": client.core_pid,
+        "alive": reason is None,
+        "dead_reason": reason,
+        "num_running": stats.num_running if stats is not None and reason is None else 0,
+        "num_waiting": stats.num_waiting if stats is not None and reason is None else 0,
+        "kv_cache_usage": stats.kv_cache_usage if stats is not None and reason is None else 0.0,
+        "num_blocks": stats.num_blocks if stats is not None else 0,
+        "prefix_cache_queries": stats.prefix_cache_queries if stats is not None else 0,
+        "prefix_cache_hits": stats.prefix_cache_hits if stats is not None else 0,
+        "stats_age_s": age,
+    }
 
 
 def _describe_exit(exit_code: int | None) -> str:

@@ -424,3 +424,24 @@ def test_inspect_once_imports_no_server_stack_nor_settings() -> None:
     lines = out.stdout.strip().splitlines()
     assert json.loads(lines[0])["up"] is False  # the inspect path really ran, against a closed port
     assert lines[1:] == ["exit 1", "heavy []"]
+
+
+def test_izh_stats_engines_become_one_row_per_core() -> None:
+    from rich.console import Console
+
+    engines = [
+        {"engine": 0, "pid": 11, "alive": True, "num_running": 3, "num_waiting": 1, "kv_cache_usage": 0.5},
+        {"engine": 1, "pid": 12, "alive": False, "dead_reason": "killed by SIGKILL", "num_running": 0},
+        {"engine": "bad"},
+    ]
+    snap = Snapshot(url="http://x", up=True)
+    apply_izh_stats(snap, {"scheduler": {}, "engines": engines})
+    assert [(e.engine, e.alive, e.running, e.waiting) for e in snap.engines] == [
+        (0, True, 3.0, 1.0),
+        (1, False, 0.0, None),
+    ]
+    assert snap.to_dict()["engines"][1]["dead_reason"] == "killed by SIGKILL"
+    console = Console(width=120, record=True)
+    console.print(inspect_cmd.render(snap, 1.0))
+    text = console.export_text()
+    assert "Engine cores" in text and "dead: killed by SIGKILL" in text and "50.0%" in text
