@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ import numpy as np
 from PIL import Image
 
 from izh.errors import ModelLoadError
+from izh.protocol import ImageInput
 
 FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
 IMAGE_TOKEN = "<image>"
@@ -91,13 +93,13 @@ class Idefics3ImageProcessor:
         if pixels.ndim == 2:
             pixels = pixels[:, :, None]
         if self.do_resize:
-            h, w = _rescale_to_max_len(*pixels.shape[:2], self.longest_edge)
+            h, w = _rescale_to_max_len(pixels.shape[0], pixels.shape[1], self.longest_edge)
             h, w = _scale_below_upper_bound(h, w, MAX_IMAGE_SIZE)
             pixels = self._resize(pixels, h, w)
         tile = self.tile
         rows = cols = 0
         if self.do_image_splitting:
-            pixels = self._resize(pixels, *_multiples_of(*pixels.shape[:2], tile))
+            pixels = self._resize(pixels, *_multiples_of(pixels.shape[0], pixels.shape[1], tile))
             height, width = pixels.shape[:2]
             if height > tile or width > tile:
                 rows = (height - tile) // tile + 1
@@ -157,6 +159,32 @@ class Idefics3ImageProcessor:
             out.append(self.placeholder_text(image))
             out.append(piece)
         return "".join(out)
+
+    def build_prompt(
+        self, text: str, images: list[tuple[Image.Image, str]], encode: Callable[[str], list[int]]
+    ) -> tuple[list[int], list[ImageInput]]:
+        """A rendered prompt with one `<image>` per image, and its (decoded image, content hash) pairs ->
+        the token ids of the expanded prompt and the images as the engine takes them. ValueError when the
+        markers or the placeholder tokens do not match the images (the text itself holds `<image>`)."""
+        processed = [self.preprocess(image) for image, _ in images]
+        token_ids = encode(self.expand_prompt(text, processed))
+        ranges = self.placeholder_ranges(token_ids, processed)
+        inputs = [
+            ImageInput(
+                pixel_values=p.pixel_values.astype("<f4", copy=False).tobytes(),
+                shape=(
+                    p.num_tiles,
+                    p.pixel_values.shape[1],
+                    p.pixel_values.shape[2],
+                    p.pixel_values.shape[3],
+                ),
+                offset=offset,
+                length=length,
+                content_hash=content_hash,
+            )
+            for p, (offset, length), (_, content_hash) in zip(processed, ranges, images, strict=True)
+        ]
+        return token_ids, inputs
 
     def placeholder_ranges(self, token_ids: list[int], images: list[ProcessedImage]) -> list[tuple[int, int]]:
         """(offset, length) of each image's placeholders in the tokenized expanded prompt: from its first
