@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -161,12 +161,22 @@ class Idefics3ImageProcessor:
         return "".join(out)
 
     def build_prompt(
-        self, text: str, images: list[tuple[Image.Image, str]], encode: Callable[[str], list[int]]
+        self,
+        text: str,
+        images: Sequence[tuple[Image.Image, str]],
+        encode: Callable[[str], list[int]],
+        *,
+        low_detail: Sequence[bool] = (),
     ) -> tuple[list[int], list[ImageInput]]:
         """A rendered prompt with one `<image>` per image, and its (decoded image, content hash) pairs ->
-        the token ids of the expanded prompt and the images as the engine takes them. ValueError when the
-        markers or the placeholder tokens do not match the images (the text itself holds `<image>`)."""
-        processed = [self.preprocess(image) for image, _ in images]
+        the token ids of the expanded prompt and the images as the engine takes them. An image whose
+        `low_detail` is true is one tile (not split: OpenAI's detail "low"). ValueError when the markers or
+        the placeholder tokens do not match the images (the text itself holds `<image>`)."""
+        single = replace(self, do_image_splitting=False)
+        processed = [
+            (single if k < len(low_detail) and low_detail[k] else self).preprocess(image)
+            for k, (image, _) in enumerate(images)
+        ]
         token_ids = encode(self.expand_prompt(text, processed))
         ranges = self.placeholder_ranges(token_ids, processed)
         inputs = [
