@@ -270,3 +270,45 @@ def test_remote_images_where_allowed(tiny_idefics3_dir: str, image_host: str) ->
             assert error["code"] == code and error["param"] == "messages.0.content.0.image_url", path
         reply = httpx.get(f"{started.url}/health", timeout=10)
         assert reply.status_code == 200  # a slow image host holds no one else up
+
+
+def test_responses_input_image_answers_as_chat(client: openai.OpenAI) -> None:
+    url = _data_url(_png(12))
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=_messages(url),
+        max_tokens=8,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    response = client.responses.create(
+        model=MODEL,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": url, "detail": "auto"},
+                    {"type": "input_text", "text": QUESTION},
+                ],
+            }
+        ],
+        max_output_tokens=8,
+        temperature=0,
+        store=False,
+    )
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage is not None and chat.usage is not None
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(
+            model=MODEL,
+            input=[
+                {
+                    "role": "user",
+                    "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}],
+                }
+            ],
+            max_output_tokens=2,
+        )
+    error = info.value.response.json()["error"]
+    assert error["code"] == "remote_images_disabled" and error["param"].endswith("content.0.image_url")
