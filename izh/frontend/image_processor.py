@@ -264,7 +264,7 @@ def _multiples_of(height: int, width: int, tile: int) -> tuple[int, int]:
     return height, width
 
 
-IMAGE_MODEL_TYPES = frozenset({"idefics3", "smolvlm"})
+IMAGE_MODEL_TYPES = frozenset({"idefics3"})
 
 
 def load_image_processor(model: str) -> Idefics3ImageProcessor | None:
