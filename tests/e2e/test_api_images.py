@@ -312,3 +312,17 @@ def test_responses_input_image_answers_as_chat(client: openai.OpenAI) -> None:
         )
     error = info.value.response.json()["error"]
     assert error["code"] == "remote_images_disabled" and error["param"].endswith("content.0.image_url")
+
+
+def test_tokenize_expands_the_images(client: openai.OpenAI, server: ApiServer) -> None:
+    messages = _messages(_data_url(_png(13)))
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    reply = httpx.post(
+        f"{server.url}/tokenize", json={"model": MODEL, "messages": messages, "add_generation_prompt": True}
+    )
+    assert reply.status_code == 200, reply.text
+    assert chat.usage is not None and reply.json()["count"] == chat.usage.prompt_tokens
+    refused = httpx.post(
+        f"{server.url}/tokenize", json={"model": MODEL, "messages": _messages("http://example.com/a.png")}
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "remote_images_disabled"
