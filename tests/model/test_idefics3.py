@@ -114,7 +114,8 @@ def _hf_greedy(hf_processor, hf_model, prompt: str, images: list[Image.Image], m
 
 class _Engine:
     def __init__(self, path: str, **options: object) -> None:
-        config = EngineConfig(model=path, dtype="float32", kv_cache_memory_bytes=16 << 20, **options)  # type: ignore[arg-type]
+        options = {"kv_cache_memory_bytes": 16 << 20, **options}
+        config = EngineConfig(model=path, dtype="float32", **options)  # type: ignore[arg-type]
         self.core = EngineCore(config)
         self.processor = load_image_processor(path)
         self.tokenizer = load_tokenizer(path)
@@ -188,3 +189,40 @@ def test_prefix_cache_keys_on_the_image(tiny_idefics3_dir: str, hf_processor, hf
     assert cached == image_start  # only the text before the image
     assert other == _hf_greedy(hf_processor, hf_model, PROMPT_ONE, [second], MAX_TOKENS)
     assert other != tokens
+
+
+def test_concurrent_image_requests_with_preemption_match_transformers(
+    tiny_idefics3_dir: str, hf_processor, hf_model
+) -> None:
+    """Three image requests at once in a KV cache that holds barely one of them (preemption recomputes an
+    image's features), prefilled in chunks beside the others' decode steps: each gets transformers'
+    tokens."""
+    cases = [
+        (PROMPT_ONE, [_image(8, 50, 70)]),
+        (PROMPT_TWO, [_image(9, 64, 30), _image(10, 30, 64)]),
+        (PROMPT_ONE, [_image(11, 90, 20)]),
+    ]
+    per_block = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 KV heads, head_dim 16, float32
+    engine = _Engine(
+        tiny_idefics3_dir, max_num_batched_tokens=32, kv_cache_memory_bytes=15 * per_block, max_model_len=240
+    )
+    for k, (prompt, images) in enumerate(cases):
+        token_ids, inputs = engine.prompt(prompt, images)
+        engine.core.add_request(
+            AddRequest(
+                request_id=f"c{k}",
+                prompt_token_ids=token_ids,
+                sampling_params=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                arrival_time=0.0,
+                images=inputs,
+            )
+        )
+    tokens: dict[str, list[int]] = {f"c{k}": [] for k in range(len(cases))}
+    while engine.core.has_unfinished_requests():
+        for out in engine.core.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        engine.core.check_invariants()
+    assert engine.core.make_stats().num_preemptions > 0
+    for k, (prompt, images) in enumerate(cases):
+        assert tokens[f"c{k}"] == _hf_greedy(hf_processor, hf_model, prompt, images, MAX_TOKENS), k
+    assert not engine.core.runner._image_features
