@@ -31,7 +31,7 @@ from izh.errors import (
     Overloaded,
 )
 from izh.frontend.client import EngineCoreClient
-from izh.frontend.image_processor import load_image_processor
+from izh.frontend.image_processor import check_no_image_placeholders, load_image_processor
 from izh.frontend.input_processor import validate_request
 from izh.frontend.output_processor import OutputProcessor, RequestOutput, RequestState
 from izh.frontend.stats import RequestMetrics, StatLogger, StatLoggers
@@ -423,6 +423,8 @@ class AsyncLLM:
         """
         if images and self.image_processor is None:
             raise InvalidRequest(f"this model ({self.model_name}) takes no images", param=prompt_param)
+        if not images and self.image_processor is not None:
+            check_no_image_placeholders(prompt_token_ids, self.image_processor.image_token_id, prompt_param)
         scope = REQUEST_SCOPE.get()
         params = await self._validated_params(
             request_id, prompt_token_ids, params, prompt_param, pooling_params

@@ -189,6 +189,9 @@ def test_refusals_name_the_part(client: openai.OpenAI) -> None:
 
     typed = [{"role": "user", "content": "Look: <image> here"}]
     assert _error(client, typed)["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="Look: <image> here", max_tokens=2)
+    assert info.value.response.json()["error"]["param"] == "prompt"
 
 
 def test_text_only_model_refuses_images(tiny_llama_dir: str) -> None:

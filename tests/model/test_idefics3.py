@@ -226,3 +226,16 @@ def test_concurrent_image_requests_with_preemption_match_transformers(
     for k, (prompt, images) in enumerate(cases):
         assert tokens[f"c{k}"] == _hf_greedy(hf_processor, hf_model, prompt, images, MAX_TOKENS), k
     assert not engine.core.runner._image_features
+
+
+def test_offline_llm_refuses_image_placeholders_without_images(
+    tiny_idefics3_dir: str, hf_processor, hf_model
+) -> None:
+    from izh import LLM
+    from izh.errors import InvalidRequest
+
+    llm = LLM(tiny_idefics3_dir, dtype="float32", kv_cache_memory_bytes=16 << 20)
+    with pytest.raises(InvalidRequest, match="image placeholder"):
+        llm.generate("Look: <image>", SamplingParams(temperature=0.0, max_tokens=2))
+    out = llm.generate(PROMPT_NONE, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    assert out[0].outputs[0].token_ids == _hf_greedy(hf_processor, hf_model, PROMPT_NONE, [], MAX_TOKENS)
