@@ -314,7 +314,26 @@ def test_responses_input_image_answers_as_chat(client: openai.OpenAI) -> None:
             max_output_tokens=2,
         )
     error = info.value.response.json()["error"]
-    assert error["code"] == "remote_images_disabled" and error["param"].endswith("content.0.image_url")
+    assert error["code"] == "remote_images_disabled" and error["param"] == "input.0.content.0.image_url"
+
+    # The second input item's second part, after a stored conversation with an image of its own.
+    first = client.responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": [{"type": "input_image", "image_url": url}]}],
+        max_output_tokens=2,
+    )
+    bad_detail = {"type": "input_image", "image_url": url, "detail": "ultra"}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(
+            model=MODEL,
+            previous_response_id=first.id,
+            input=[
+                {"role": "user", "content": "Again:"},
+                {"role": "user", "content": [{"type": "input_text", "text": "x"}, bad_detail]},  # type: ignore[list-item]
+            ],
+            max_output_tokens=2,
+        )
+    assert info.value.response.json()["error"]["param"] == "input.1.content.1.detail"
 
 
 def test_tokenize_expands_the_images(client: openai.OpenAI, server: ApiServer) -> None:
