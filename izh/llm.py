@@ -13,6 +13,7 @@ from typing import Any
 from izh.config import EngineConfig
 from izh.engine.core import EngineCore
 from izh.errors import InvalidRequest
+from izh.frontend.image_processor import check_no_image_placeholders
 from izh.frontend.input_processor import validate_request
 from izh.frontend.output_processor import OutputProcessor, PositionLogprobs, RequestState
 from izh.pooling_params import PoolingParams, embedding_floats
@@ -220,6 +221,9 @@ class LLM:
     ) -> None:
         # The one validation point, as the server's AsyncLLM: the engine core trusts what it gets.
         info = self.engine_core.embedding_info()
+        image_token_id = self.engine_core.runner.image_token_id
+        if image_token_id is not None:  # a VLM: images are served over HTTP only (izh serve)
+            check_no_image_placeholders(prompt_token_ids, image_token_id, "prompt")
         params = validate_request(
             prompt_token_ids,
             params,

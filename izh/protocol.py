@@ -1,7 +1,7 @@
 """Messages across the process boundary (frontend <-> engine core): msgspec tagged unions.
 
-Only token ids, validated sampling params, per-step outputs and stats cross it: never text to
-detokenize, tensors, pickles or tokenizers.
+Only token ids, validated sampling params, preprocessed image pixels (raw float32 bytes), per-step
+outputs and stats cross it: never text to detokenize, tensors, pickles or tokenizers.
 """
 
 from __future__ import annotations
@@ -27,6 +27,21 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 # --- frontend -> core ---------------------------------------------------------------------------
 
 
+class ImageInput(msgspec.Struct, array_like=True):
+    """One image of a request, preprocessed in the API process (izh.frontend.image_processor)."""
+
+    pixel_values: bytes
+    """Little-endian float32 tiles, C order, of shape `shape`."""
+    shape: tuple[int, int, int, int]
+    """[num_tiles, channels, tile, tile]."""
+    offset: int
+    """The prompt position of its first placeholder token."""
+    length: int
+    """Placeholder positions it spans (its `<image>` tokens and the tile separators between them)."""
+    content_hash: str
+    """sha256 of the image file (hex): the prefix cache keys the blocks it overlaps on it."""
+
+
 class AddRequest(msgspec.Struct, tag=True, kw_only=True):
     """One generation request (n == 1: the frontend fans n > 1 out into child requests)."""
 
@@ -42,6 +57,8 @@ class AddRequest(msgspec.Struct, tag=True, kw_only=True):
     client_index: int = 0
     """Which of the core's frontends (API processes) sent it: its outputs go back to that one only
     (izh.engine.core_proc; always 0 with one frontend)."""
+    images: list[ImageInput] | None = None
+    """A VLM's images, in prompt order (their placeholder ranges do not overlap)."""
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -491,6 +491,28 @@ class LimitSettings(_Section):
         description="Accept a chat template sent in a request (it runs sandboxed, but can still burn CPU); "
         "off = only the model's own templates, by name.",
     )
+    max_images_per_request: int = Field(
+        default=8, ge=0, description="Most images (image_url parts) in one chat request (a VLM only)."
+    )
+    max_image_bytes: Annotated[int, ByteSize] = Field(
+        default=10 * 2**20,
+        gt=0,
+        description="Largest image file, decoded from its data URL or downloaded; bytes or with a unit "
+        "(10MiB). A data URL also counts against server.max_body_bytes.",
+    )
+    max_image_pixels: int = Field(
+        default=4096 * 4096,
+        gt=0,
+        description="Largest image, in pixels (width x height), checked before decoding.",
+    )
+    allow_remote_images: bool = Field(
+        default=False,
+        description="Fetch image_url parts given as http(s) URLs (off: only data: URLs). The server then "
+        "makes requests to any address a client names: turn it on only for trusted clients.",
+    )
+    remote_image_timeout_s: float = Field(
+        default=10.0, gt=0, description="The longest a remote image's download may take, in seconds."
+    )
 
 
 @dataclass(frozen=True, slots=True)

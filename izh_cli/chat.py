@@ -8,6 +8,7 @@ message and prints only the reply. In both modes a line ending with a backslash 
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import sys
@@ -35,6 +36,8 @@ HELP = (
     "/model [NAME]  switch model (/model alone lists the server's)\n"
     "/save FILE  write the conversation as JSON\n"
     "/load FILE  continue a conversation saved with /save\n"
+    "/image PATH  attach a PNG, JPEG or WebP image to your next message (a vision model; /image alone "
+    "lists the attached, /image clear drops them)\n"
     "A line ending with \\ continues on the next. Ctrl-C stops a reply."
 )
 CONTINUATION = "\\"
@@ -131,6 +134,17 @@ def read_message(read_line: Callable[[bool], str]) -> str:
         lines.append(line[: -len(CONTINUATION)])
 
 
+def image_mime_type(data: bytes) -> str | None:
+    """image/png, image/jpeg or image/webp by the file's signature; None for anything else."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return None
+
+
 @dataclass(slots=True)
 class CommandResult:
     message: str | None = None
@@ -149,6 +163,8 @@ class ChatSession:
     params: dict[str, ParamValue] = field(default_factory=dict)
     """Sampling parameters sent with every request (the server's defaults for the others)."""
     messages: list[dict[str, Any]] = field(default_factory=list)
+    images: list[tuple[str, str]] = field(default_factory=list)
+    """(file name, data URL) of the images attached to the next message (/image)."""
 
     def payload(self) -> dict[str, Any]:
         history = [{"role": m["role"], "content": m["content"] or ""} for m in self.messages]
@@ -163,7 +179,11 @@ class ChatSession:
 
         A failed request leaves the history as it was; an interrupted reply keeps what arrived.
         """
-        self.messages.append({"role": "user", "content": text})
+        content: str | list[dict[str, Any]] = text
+        if self.images:
+            content = [{"type": "image_url", "image_url": {"url": url}} for _, url in self.images]
+            content.append({"type": "text", "text": text})
+        self.messages.append({"role": "user", "content": content})
         reply = Reply()
         start = time.perf_counter()
         try:
@@ -176,8 +196,9 @@ class ChatSession:
             reply.error = exception_kind(exc)
         reply.latency_s = time.perf_counter() - start
         if reply.error is not None:
-            self.messages.pop()
+            self.messages.pop()  # the images stay attached, for another try
         else:
+            self.images.clear()
             message: dict[str, Any] = {"role": "assistant", "content": reply.content}
             if reply.reasoning:
                 message["reasoning_content"] = reply.reasoning
@@ -230,6 +251,8 @@ class ChatSession:
             return self._params(argument)
         if name == "/model":
             return self._model(argument)
+        if name == "/image":
+            return self._image(argument)
         if name in ("/help", "/?"):
             return CommandResult(HELP)
         return CommandResult(f"Unknown command {name}; /help lists them.", error=True)
@@ -260,7 +283,7 @@ class ChatSession:
         valid = isinstance(messages, list) and all(
             isinstance(m, dict)
             and m.get("role") in ("system", "user", "assistant")
-            and isinstance(m.get("content"), str | None)
+            and isinstance(m.get("content"), str | list | None)
             for m in messages
         )
         if not valid or not isinstance(messages, list):
@@ -269,6 +292,28 @@ class ChatSession:
         self.system = systems[-1] if systems else None
         self.messages = [dict(m) for m in messages if m["role"] != "system"]
         return CommandResult(f"Loaded {len(self.messages)} messages from {path}.")
+
+    def _image(self, argument: str) -> CommandResult:
+        """Attach an image file to the next message as a data URL (the server decodes and checks it)."""
+        if not argument:
+            if not self.images:
+                return CommandResult("No image attached; /image PATH attaches one to your next message.")
+            return CommandResult(
+                "Attached to your next message: " + ", ".join(name for name, _ in self.images)
+            )
+        if argument == "clear":
+            self.images.clear()
+            return CommandResult("Images dropped.")
+        path = Path(argument).expanduser()
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            return CommandResult(f"Cannot read {path}: {exc.strerror or exc}", error=True)
+        mime = image_mime_type(data)
+        if mime is None:
+            return CommandResult(f"{path} is not a PNG, JPEG or WebP image.", error=True)
+        self.images.append((path.name, f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"))
+        return CommandResult(f"Attached {path.name} ({len(data)} bytes) to your next message.")
 
     def _params(self, argument: str) -> CommandResult:
         try:

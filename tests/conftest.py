@@ -157,3 +157,12 @@ def smollm2_hf_reference(smollm2_gguf: str):  # -> tests.fixtures.smollm2.HFRefe
     from tests.fixtures.smollm2 import smollm2_hf_reference as compute
 
     return compute(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def tiny_idefics3_dir(tiny_checkpoints_root: Path) -> str:
+    """A tiny random Idefics3 (SmolVLM) folder: tests.fixtures.idefics3."""
+    from tests.fixtures.idefics3 import build_tiny_idefics3
+
+    _set_torch_threads()
+    return build_tiny_idefics3(tiny_checkpoints_root / "idefics3")

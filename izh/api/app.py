@@ -140,6 +140,7 @@ def build_app(
         created=int(time.time()),
         tool_call_parser=s.tool_call_parser,
         responses_store=ResponseStore(s.responses_store_max),
+        limits=limits if limits is not None else LimitSettings(trust_request_chat_template=True),
     )
     app.state.draining = False
     for exc_class in HANDLED_EXCEPTIONS:

@@ -43,6 +43,7 @@ from izh.api.constraints import (
     tool_call_constraint,
 )
 from izh.api.fanout import Child, admit, respond
+from izh.api.images import load_chat_images
 from izh.api.protocol import ChatCompletionRequest
 from izh.api.sampling import chat_sampling_params
 from izh.api.state import (
@@ -123,6 +124,10 @@ async def prepare_chat(
     constraint = single_constraint(
         requested_constraints(body) + ([tool_constraint] if tool_constraint is not None else [])
     )
+    image_processor = state.llm.image_processor
+    images = await load_chat_images(
+        body.messages, state.limits, accepts_images=image_processor is not None, model_name=state.model_name
+    )
     prompt = await render_chat_prompt(
         state.llm.tokenizer,
         body.messages,
@@ -132,6 +137,8 @@ async def prepare_chat(
         chat_template=body.chat_template,
         chat_template_kwargs=body.chat_template_kwargs,
         add_special_tokens=body.add_special_tokens,
+        image_processor=image_processor,
+        images=images,
     )
     ctx = _context(state, body, prompt.text, response_id)
     ctx.tool_parser = chat_tool_parser(state, tool_choice, tools_on, prompt)
@@ -154,6 +161,7 @@ async def prepare_chat(
         prompt_params=[prompt_param],
         priority=body.priority,
         cache_salt=body.cache_salt,
+        images=prompt.images,
     )
     _log_admitted(request_id, prompt, len(children), constraint, ctx)
     return PreparedChat(ctx, prompt, children)

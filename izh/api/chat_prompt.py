@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from izh.api.protocol import ChatMessageParam, ToolCallParam, ToolParam
 from izh.errors import InvalidRequest
 from izh.parsers.hermes import HERMES_END, HERMES_START, render_tools_system_prompt
 from izh.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from izh.api.images import ChatImage
+    from izh.frontend.image_processor import Idefics3ImageProcessor
+    from izh.protocol import ImageInput
 
 # Names the renderer itself passes to a template: chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -27,11 +32,17 @@ def message_text(message: ChatMessageParam, index: int) -> str | None:
     if content is None or isinstance(content, str):
         return content
     texts = []
-    for part in content:
+    for j, part in enumerate(content):
+        if part.type == "image_url":
+            raise InvalidRequest(
+                f"messages[{index}]: image_url parts are accepted in user messages only",
+                param=f"messages.{index}.content.{j}",
+            )
         if part.type != "text":
             raise InvalidRequest(
-                f"messages[{index}]: content parts of type {part.type!r} are not supported (text only)",
-                param=f"messages.{index}.content",
+                f"messages[{index}]: content parts of type {part.type!r} are not supported (text and "
+                "image_url only)",
+                param=f"messages.{index}.content.{j}",
             )
         if part.text is None:
             raise InvalidRequest(
@@ -72,20 +83,52 @@ def _hermes_call_text(call: ToolCallParam) -> str:
     return f"{HERMES_START}\n{json.dumps(body, ensure_ascii=False)}\n{HERMES_END}"
 
 
+def _image_message_parts(message: ChatMessageParam, index: int) -> list[dict[str, Any]] | None:
+    """A user message's content as a VLM template's parts ({"type": "text"} / {"type": "image"}) when it
+    holds an image; None when it holds none."""
+    content = message.content
+    if message.role != "user" or not isinstance(content, list) or all(p.type != "image_url" for p in content):
+        return None
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if part.type == "image_url":
+            parts.append({"type": "image"})
+        elif part.type == "text" and part.text is not None:
+            parts.append({"type": "text", "text": part.text})
+        else:
+            raise InvalidRequest(
+                f"messages[{index}]: content parts must be text (with a 'text') or image_url",
+                param=f"messages.{index}.content.{j}",
+            )
+    return parts
+
+
 def template_messages(
-    messages: list[ChatMessageParam], *, hermes_tools: bool = False
+    messages: list[ChatMessageParam], *, hermes_tools: bool = False, content_parts: bool = False
 ) -> list[dict[str, Any]]:
     """The messages as the chat template sees them (HF's conventions).
 
     `hermes_tools` (a template without tool support): an assistant's tool calls become Hermes
     `<tool_call>` blocks in its content, and tool results `<tool_response>` blocks in a user
     message (consecutive results share one), as Hermes-trained models expect.
+
+    `content_parts` (a vision-language model, whose template iterates over typed parts): a user message
+    with images keeps its parts in order, images as {"type": "image"} (the template writes the image
+    marker); every other content is made a list of one text part by `as_content_parts`.
     """
     result: list[dict[str, Any]] = []
     after_tool_result = False
     for index, message in enumerate(messages):
         # Most templates know only "system"; OpenAI's "developer" means the same to an open model.
         role = "system" if message.role == "developer" else message.role
+        parts = _image_message_parts(message, index) if content_parts else None
+        if parts is not None:
+            after_tool_result = False
+            item: dict[str, Any] = {"role": role, "content": parts}
+            if message.name is not None:
+                item["name"] = message.name
+            result.append(item)
+            continue
         text = message_text(message, index)
         if hermes_tools and role == "tool":
             response = f"<tool_response>\n{text or ''}\n</tool_response>"
@@ -96,7 +139,7 @@ def template_messages(
             after_tool_result = True
             continue
         after_tool_result = False
-        item: dict[str, Any] = {"role": role, "content": text if text is not None else ""}
+        item = {"role": role, "content": text if text is not None else ""}
         if message.name is not None:
             item["name"] = message.name
         if message.tool_calls and hermes_tools:
@@ -111,6 +154,14 @@ def template_messages(
             item["reasoning_content"] = reasoning
         result.append(item)
     return result
+
+
+def as_content_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every text content as a list of one text part (a VLM template's shape); parts lists stay."""
+    return [
+        {**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str) else m
+        for m in messages
+    ]
 
 
 def with_tools_prompt(messages: list[dict[str, Any]], tools_prompt: str) -> list[dict[str, Any]]:
@@ -140,10 +191,13 @@ def supports_tools(template: str | None) -> bool:
 @dataclass(slots=True)
 class ChatPrompt:
     text: str
+    """The rendered template (a VLM's image markers not yet expanded)."""
     token_ids: list[int]
     template: str | None = None
     hermes_tools: bool = False
     """The tools (and tool history) were written as Hermes text: the template has no tool support."""
+    images: list[ImageInput] = field(default_factory=list)
+    """A VLM's images, preprocessed and placed in `token_ids`."""
 
 
 def _render_and_encode(
@@ -156,7 +210,9 @@ def _render_and_encode(
     chat_template: str | None,
     chat_template_kwargs: dict[str, Any],
     add_special_tokens: bool,
-) -> tuple[str, list[int]]:
+    image_processor: Idefics3ImageProcessor | None,
+    images: list[ChatImage],
+) -> tuple[str, list[int], list[ImageInput]]:
     text = tokenizer.apply_chat_template(
         messages,
         tools=tools,
@@ -165,7 +221,34 @@ def _render_and_encode(
         continue_final_message=continue_final_message,
         **chat_template_kwargs,
     )
-    return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode(t: str) -> list[int]:
+        return tokenizer.encode(t, add_special_tokens=add_special_tokens)
+
+    if image_processor is None:
+        return text, encode(text), []
+    if not images:
+        token_ids = encode(text)
+        if image_processor.image_token_id in token_ids:
+            raise InvalidRequest(
+                "messages: the text holds the model's image placeholder token; send images as image_url parts",
+                param="messages",
+            )
+        return text, token_ids, []
+    try:
+        token_ids, inputs = image_processor.build_prompt(
+            text,
+            [(image.image, image.content_hash) for image in images],
+            encode,
+            low_detail=[image.detail == "low" for image in images],
+        )
+    except ValueError as e:
+        raise InvalidRequest(
+            f"messages: the images do not fit the rendered prompt ({e}); is the image placeholder written "
+            "as text, or does the chat template drop images?",
+            param="messages",
+        ) from None
+    return text, token_ids, inputs
 
 
 async def render_chat_prompt(
@@ -178,13 +261,17 @@ async def render_chat_prompt(
     chat_template: str | None,
     chat_template_kwargs: dict[str, Any] | None,
     add_special_tokens: bool,
+    image_processor: Idefics3ImageProcessor | None = None,
+    images: list[ChatImage] | None = None,
 ) -> ChatPrompt:
     """Render the chat through the template (sandboxed) and tokenize it, off the event loop.
 
     `add_generation_prompt` None means "unless continuing the final message" (asking for both is
     a 400 from the renderer). `tools` go to the template when it supports them, else into the
     system message in the Hermes format (`render_tools_system_prompt`). `chat_template_kwargs`
-    (e.g. enable_thinking) become template variables.
+    (e.g. enable_thinking) become template variables. A vision-language model (`image_processor`) gets
+    its messages as typed parts, and `images` (izh.api.images, in message order) are preprocessed and
+    their placeholders expanded into the prompt.
     """
     if not messages:
         raise InvalidRequest("messages must not be empty", param="messages")
@@ -199,11 +286,14 @@ async def render_chat_prompt(
     tool_dicts = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
     template = template_source(tokenizer, chat_template, with_tools=tool_dicts is not None)
     hermes_tools = not supports_tools(template)
-    chat = template_messages(messages, hermes_tools=hermes_tools)
+    content_parts = image_processor is not None
+    chat = template_messages(messages, hermes_tools=hermes_tools, content_parts=content_parts)
     if tool_dicts is not None and hermes_tools:
         chat = with_tools_prompt(chat, render_tools_system_prompt(tool_dicts))
         tool_dicts = None
-    text, token_ids = await asyncio.to_thread(
+    if content_parts:
+        chat = as_content_parts(chat)
+    text, token_ids, inputs = await asyncio.to_thread(
         _render_and_encode,
         tokenizer,
         chat,
@@ -213,5 +303,7 @@ async def render_chat_prompt(
         chat_template=chat_template,
         chat_template_kwargs=kwargs,
         add_special_tokens=add_special_tokens,
+        image_processor=image_processor,
+        images=images or [],
     )
-    return ChatPrompt(text, token_ids, template, hermes_tools=hermes_tools and bool(tools))
+    return ChatPrompt(text, token_ids, template, hermes_tools=hermes_tools and bool(tools), images=inputs)

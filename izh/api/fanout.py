@@ -20,6 +20,7 @@ from izh.api.protocol import PromptTokensDetails, UsageInfo
 from izh.api.sse import SSEResponse, sse_stream
 from izh.api.state import ApiState, json_response, request_id_of
 from izh.errors import InvalidRequest
+from izh.protocol import ImageInput
 from izh.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ async def admit(
     prompt_params: list[str],
     priority: int,
     cache_salt: str | None,
+    images: list[ImageInput] | None = None,
 ) -> list[Child]:
     """Add every child request (ids `{base_id}-{i}`) before anything is streamed.
 
@@ -68,7 +70,7 @@ async def admit(
     `prompt_params[i]` ("messages", "prompt", "prompt.1"): the input processor validates each child
     on admission and names that field in its errors. If any child is refused
     (overloaded, context length, ...), the admitted ones are aborted and the refusal propagates,
-    so the client gets a real HTTP status.
+    so the client gets a real HTTP status. `images` (a chat prompt's, placed in it) go with every child.
     """
     n = params[0].n
     if len(prompts) * n > MAX_CHILD_REQUESTS:
@@ -92,6 +94,7 @@ async def admit(
                     cache_salt=cache_salt,
                     deadline_s=state.default_request_timeout_s,
                     prompt_param=field,
+                    images=images,
                 )
                 children.append(Child(index, prompt_index, sample_index, stream))
     except BaseException:

@@ -268,12 +268,14 @@ class EmbeddingResponse(BaseModel):
 
 
 class ContentPart(BaseModel):
-    """One typed part of a message's content; only "text" parts are supported for now."""
+    """One typed part of a message's content: "text", or "image_url" for a vision-language model (a URL
+    string, or {"url", "detail"}; checked by izh.api.images). Other types are refused when rendered."""
 
     model_config = ConfigDict(extra="allow")
 
     type: str
     text: str | None = None
+    image_url: str | dict[str, Any] | None = None
 
 
 class FunctionCallParam(RequestBase):

@@ -251,6 +251,45 @@ def _responses_name(text: str) -> str:
     return text
 
 
+_IMAGE_PART = re.compile(r"messages\.(\d+)\.content\.(\d+)(\.image_url.*)")
+
+
+def _image_part_param(
+    param: str | None, messages: list[ChatMessageParam], num_stored: int, conversation: list[dict[str, Any]]
+) -> str | None:
+    """Chat's name of a refused image part (messages.K.content.J.image_url...) as the Responses request
+    names it: `input.I.content.J.image_url` for an input_image of this request's input (chat's image parts
+    are the conversation's input_image parts, in order), `previous_response_id` for one of a stored
+    conversation; None for anything else."""
+    match = _IMAGE_PART.fullmatch(param or "")
+    if match is None:
+        return None
+    message, part = int(match[1]), int(match[2])
+    # Which image part of the chat request it is, counting in message order.
+    k = sum(
+        1
+        for i, m in enumerate(messages)
+        if isinstance(m.content, list)
+        for j, p in enumerate(m.content)
+        if p.type == "image_url" and (i, j) < (message, part)
+    )
+    found = 0
+    for index, item in enumerate(conversation):
+        if item.get("type") != "message" or not isinstance(item.get("content"), list):
+            continue
+        for j, content in enumerate(item["content"]):
+            if content.get("type") != "input_image":
+                continue
+            if found == k:
+                if index < num_stored:
+                    return "previous_response_id"
+                # The Responses part holds `image_url` (the URL) and `detail` side by side.
+                suffix = ".detail" if match[3] == ".image_url.detail" else ".image_url"
+                return f"input.{index - num_stored}.content.{j}{suffix}"
+            found += 1
+    return None
+
+
 def _renamed(exc: InvalidRequest) -> InvalidRequest:
     exc.message = _responses_name(exc.message)
     exc.args = (exc.message,)
@@ -348,6 +387,14 @@ async def create_response(request: Request) -> Response:
     try:
         chat = await prepare_chat(state, chat_body, request_id, response_id, prompt_param="input")
     except InvalidRequest as exc:
+        image_param = _image_part_param(
+            exc.param, messages, len(conversation) - len(input_items), conversation
+        )
+        if image_param is not None:
+            exc.message = exc.message.replace(exc.param or "", image_param)
+            exc.args = (exc.message,)
+            exc.param = image_param
+            raise exc from None
         raise _renamed(exc) from None
     state.metrics.on_api_request(1, "/v1/responses")
     key_id = _key_id()

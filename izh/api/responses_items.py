@@ -4,11 +4,12 @@ list of such items (a stored conversation's, then this request's) turned into th
 chat template renders.
 
 The mapping: a message item is a chat message of its role (text parts joined with newlines, as
-chat's content parts are); `function_call` items are the assistant's tool calls (consecutive calls,
+chat's content parts are; a user message's `input_image` parts make it chat's text and image_url
+parts); `function_call` items are the assistant's tool calls (consecutive calls,
 and an assistant message just before them, make one assistant turn); a `function_call_output` is a
 tool message answering its call_id; a `reasoning` item's text is the reasoning_content of the
-assistant turn that follows it (an assistant turn of its own when none does). Anything else (images,
-files, item references, built-in tool calls, encrypted reasoning) is a 400 naming the item.
+assistant turn that follows it (an assistant turn of its own when none does). Anything else (files,
+item references, built-in tool calls, encrypted reasoning) is a 400 naming the item.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from izh.api.protocol import ChatMessageParam, FunctionCallParam, ToolCallParam
+from izh.api.protocol import ChatMessageParam, ContentPart, FunctionCallParam, ToolCallParam
 from izh.errors import InvalidRequest
 
 _ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
@@ -94,13 +95,20 @@ def _message_item(item: dict[str, Any], param: str) -> dict[str, Any]:
     assistant = role == "assistant"
     content = item.get("content")
     if isinstance(content, str):
-        texts = [content]
+        texts: list[str | dict[str, Any]] = [content]
     elif isinstance(content, list):
-        texts = [_part_text(part, f"{param}.content.{i}", assistant) for i, part in enumerate(content)]
+        texts = [
+            _input_image(part, f"{param}.content.{i}")
+            if role == "user" and isinstance(part, dict) and part.get("type") == "input_image"
+            else _part_text(part, f"{param}.content.{i}", assistant)
+            for i, part in enumerate(content)
+        ]
     else:
         raise _refuse(f"{param}.content", "expected a string or a list of content parts")
     part_type = "output_text" if assistant else "input_text"
-    parts: list[dict[str, Any]] = [{"type": part_type, "text": text} for text in texts]
+    parts: list[dict[str, Any]] = [
+        text if isinstance(text, dict) else {"type": part_type, "text": text} for text in texts
+    ]
     if assistant:
         for part in parts:
             part["annotations"] = []
@@ -111,6 +119,20 @@ def _message_item(item: dict[str, Any], param: str) -> dict[str, Any]:
         "status": "completed",
         "content": parts,
     }
+
+
+def _input_image(part: dict[str, Any], param: str) -> dict[str, Any]:
+    """A user message's input_image part: an image_url (a data: URL, or http(s) where the server allows
+    it; checked with chat's image_url parts, izh.api.images); file ids are refused."""
+    if part.get("file_id") is not None:
+        raise _refuse(
+            f"{param}.file_id", "file ids are not supported; send the image as image_url", code="unsupported"
+        )
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise _refuse(f"{param}.image_url", "expected the image's URL (a data: URL)")
+    detail = part.get("detail") or "auto"
+    return {"type": "input_image", "image_url": url, "detail": detail}
 
 
 def _part_text(part: Any, param: str, assistant: bool) -> str:
@@ -168,6 +190,18 @@ def _joined(parts: list[dict[str, Any]], key: str = "text") -> str:
     return "\n".join(part[key] for part in parts)
 
 
+def _message_content(parts: list[dict[str, Any]]) -> str | list[ContentPart]:
+    """A message item's content for chat: its text parts joined, or, with images, chat's typed parts."""
+    if all(part["type"] != "input_image" for part in parts):
+        return _joined(parts)
+    return [
+        ContentPart(type="image_url", image_url={"url": part["image_url"], "detail": part["detail"]})
+        if part["type"] == "input_image"
+        else ContentPart(type="text", text=part["text"])
+        for part in parts
+    ]
+
+
 def items_to_messages(items: list[dict[str, Any]]) -> list[ChatMessageParam]:
     """The chat messages of normalized items (see the module docstring for the mapping)."""
     messages: list[ChatMessageParam] = []
@@ -203,7 +237,7 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[ChatMessageParam]:
             )
             continue
         message = ChatMessageParam(
-            role=item["role"], content=_joined(item["content"]), reasoning_content=reasoning
+            role=item["role"], content=_message_content(item["content"]), reasoning_content=reasoning
         )
         reasoning = None
         if message.role == "assistant":

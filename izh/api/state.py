@@ -16,6 +16,7 @@ from starlette.responses import Response
 from izh.api.protocol import RequestModel, parse_body
 from izh.api.responses_store import ResponseStore
 from izh.errors import EngineDead, InvalidRequest, ModelNotFound, Overloaded
+from izh.settings import LimitSettings
 
 if TYPE_CHECKING:
     from llguidance import LLTokenizer
@@ -45,6 +46,8 @@ class ApiState:
     ll_tokenizer_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     responses_store: ResponseStore = field(default_factory=ResponseStore)
     """The stored responses of /v1/responses (`store: true`), bounded by server.responses_store_max."""
+    limits: LimitSettings = field(default_factory=LimitSettings)
+    """The `[limits]` section (the image limits are read by the routes; the rest by the guard)."""
 
 
 def api_state(request: Request) -> ApiState:

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from izh.api.chat_prompt import render_chat_prompt
+from izh.api.images import load_chat_images
 from izh.api.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -40,6 +41,13 @@ async def tokenize(request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
+        image_processor = state.llm.image_processor
+        images = await load_chat_images(
+            body.messages,
+            state.limits,
+            accepts_images=image_processor is not None,
+            model_name=state.model_name,
+        )
         prompt = await render_chat_prompt(
             tokenizer,
             body.messages,
@@ -50,8 +58,10 @@ async def tokenize(request: Request) -> Response:
             chat_template_kwargs=body.chat_template_kwargs,
             # Templates write their own BOS.
             add_special_tokens=bool(body.add_special_tokens),
+            image_processor=image_processor,
+            images=images,
         )
-        token_ids = prompt.token_ids
+        token_ids = prompt.token_ids  # a VLM's image placeholders expanded, as the model sees them
     else:
         add_special_tokens = body.add_special_tokens if body.add_special_tokens is not None else True
         token_ids = await asyncio.to_thread(tokenizer.encode, body.prompt or "", add_special_tokens)

@@ -104,6 +104,7 @@ class EngineCore:
             priority=req.priority,
             cache_salt=req.cache_salt,
             pooling_params=req.pooling_params,
+            images=req.images,
         )
         if params.structured_outputs is not None:
             self._grammar_manager().add_request(req.request_id, params.structured_outputs)
@@ -148,6 +149,8 @@ class EngineCore:
             and req.pooling_params.dimensions > self.runner.model_config.hidden_size
         ):
             problem = f"dimensions {req.pooling_params.dimensions} > {self.runner.model_config.hidden_size}"
+        elif req.images:
+            problem = self.runner.check_images(req.images, prompt)
         if problem is not None:
             raise IzhError(f"internal error: request {req.request_id!r} was not validated: {problem}")
 

@@ -68,17 +68,31 @@ def update_block_hashes(request: Request, block_size: int) -> None:
     """Extend `request.block_hashes` to cover every full block of its known tokens.
 
     Only blocks that became full since the last call are hashed. The extra keys (LoRA name, cache salt)
-    go into the first block only: every later hash chains from it, so they carry the salt too.
+    go into the first block only: every later hash chains from it, so they carry the salt too. A block
+    that overlaps an image's placeholders also mixes in that image's content hash (the placeholder token
+    ids are the same for every image), so the same image hits and another one misses from there on.
     """
     hashes = request.block_hashes
     num_full_blocks = request.num_tokens // block_size
     if len(hashes) >= num_full_blocks:
         return
     token_ids = request.all_token_ids
+    images = request.images
     for index in range(len(hashes), num_full_blocks):
         parent = hashes[-1] if hashes else None
-        extra_keys = None if parent is not None else (request.lora_name, request.cache_salt)
+        extra_keys: tuple[str | None, ...] | None = (
+            None if parent is not None else (request.lora_name, request.cache_salt)
+        )
         start = index * block_size
+        if images:
+            end = start + block_size
+            overlapping = tuple(
+                image.content_hash
+                for image in images
+                if image.offset < end and start < image.offset + image.length
+            )
+            if overlapping:
+                extra_keys = (*(extra_keys or ()), *overlapping)
         hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys))
 
 

@@ -21,6 +21,7 @@ from izh.errors import ModelLoadError
 from izh.kernels import cpu as cpu_ops
 from izh.model.attention import AttentionMetadata, get_attention_backend
 from izh.model.config import ModelConfig
+from izh.model.idefics3 import Idefics3ForConditionalGeneration
 from izh.model.llama import LlamaForCausalLM
 from izh.model.loader import checkpoint_quant_types, load_model, load_model_config
 from izh.model.packed import RECORDS_ANY_ROWS
@@ -29,7 +30,7 @@ from izh.model.parallel import check_tensor_parallel
 from izh.model.parallel import compute_logits as parallel_logits
 from izh.model.pooling import PoolingConfig, pool, resolve_pooling
 from izh.pooling_params import PoolingParams
-from izh.protocol import TokenLogprobs
+from izh.protocol import ImageInput, TokenLogprobs
 
 if TYPE_CHECKING:
     from izh.engine.cuda_graphs import DecodeGraphRunner
@@ -215,6 +216,13 @@ class ModelRunner:
         self.sampler = Sampler(make_generator(config.seed, self.device))
         self._generators: dict[str, torch.Generator] = {}
         self._logits: torch.Tensor | None = None
+        self.image_token_id = (
+            self.model_config.image_token_id if self.model_config.vision is not None else None
+        )
+        """A VLM's `<image>` placeholder id; None for a text-only model."""
+        self._image_features: dict[str, dict[int, torch.Tensor]] = {}
+        """Request id -> image index -> its encoder output, kept from the chunk that first needs it until
+        the chunk that computes its last placeholder (chunked prefill may split an image's range)."""
         # Start and end of the forward on the GPU's stream: forward_s without a host sync of its own (the
         # sampler's read of the tokens has already waited for the end event).
         self._forward_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
@@ -334,6 +342,94 @@ class ModelRunner:
     def remove_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+            self._image_features.pop(request_id, None)
+
+    # --- images ---------------------------------------------------------------------------------
+
+    def image_seq_len(self, tile: int) -> int:
+        """Embeddings (placeholder tokens) per tile of edge `tile` pixels."""
+        vision = self.model_config.vision
+        assert vision is not None
+        return (tile // vision.patch_size) ** 2 // self.model_config.scale_factor**2
+
+    def check_images(self, images: list[ImageInput], prompt: list[int]) -> str | None:
+        """What is wrong with a request's images (None: nothing), for EngineCore's invariant check."""
+        vision = self.model_config.vision
+        if vision is None or self.image_token_id is None:
+            return "it has images, but this model takes no images"
+        end = 0
+        for k, image in enumerate(images):
+            n, channels, height, width = image.shape
+            side = height // vision.patch_size
+            if (
+                n < 1
+                or channels != vision.num_channels
+                or height != width
+                or height % vision.patch_size
+                or side % self.model_config.scale_factor
+            ):
+                return f"image {k} has tiles of shape {image.shape}"
+            if len(image.pixel_values) != 4 * n * channels * height * width:
+                return f"image {k} has {len(image.pixel_values)} bytes for shape {image.shape}"
+            if image.offset < end or image.length < 1 or image.offset + image.length > len(prompt):
+                return f"image {k}'s placeholders [{image.offset}, +{image.length}) are out of place"
+            end = image.offset + image.length
+            span = prompt[image.offset : end]
+            if span[0] != self.image_token_id or span[-1] != self.image_token_id:
+                return f"image {k}'s placeholder range does not start and end on an image token"
+            if span.count(self.image_token_id) != n * self.image_seq_len(height):
+                return f"image {k}'s placeholder range does not hold {n} tiles of image tokens"
+        return None
+
+    def _image_embeddings(
+        self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The step's input embeddings with image features in place of the `<image>` tokens that this
+        step computes; None when it computes none (every decode step, every text-only prefill)."""
+        if self.image_token_id is None:
+            return None
+        rows: list[int] = []
+        features: list[torch.Tensor] = []
+        row = 0
+        for s in scheduled:
+            images = s.request.images
+            start = s.num_computed_tokens_before
+            end = start + s.num_scheduled_tokens
+            if images and start < images[-1].offset + images[-1].length:
+                for k, image in enumerate(images):
+                    image_end = image.offset + image.length
+                    lo, hi = max(start, image.offset), min(end, image_end)
+                    if lo >= hi:
+                        continue
+                    span = np.asarray(s.request.all_token_ids[image.offset : image_end])
+                    is_image = span == self.image_token_id
+                    index = np.cumsum(is_image) - 1  # feature row of each placeholder position
+                    positions = np.nonzero(is_image[lo - image.offset : hi - image.offset])[0] + lo
+                    if len(positions):
+                        encoded = self._encoded_image(s.request.request_id, k, image)
+                        rows.extend((row + positions - start).tolist())
+                        features.append(encoded[index[positions - image.offset]])
+                    if end >= image_end:  # its last placeholder is computed now
+                        self._image_features.get(s.request.request_id, {}).pop(k, None)
+            row += s.num_scheduled_tokens
+        if not rows:
+            return None
+        embeds = self.model.model.embed_tokens(input_ids)
+        embeds[to_device(torch.tensor(rows, dtype=torch.long), self.device)] = torch.cat(features).to(
+            embeds.dtype
+        )
+        return embeds
+
+    def _encoded_image(self, request_id: str, k: int, image: ImageInput) -> torch.Tensor:
+        """Image k's features [num_tiles * image_seq_len, hidden_size], run through the vision encoder once
+        per request (kept while its placeholders are being prefilled)."""
+        cache = self._image_features.setdefault(request_id, {})
+        encoded = cache.get(k)
+        if encoded is None:
+            pixels = np.frombuffer(image.pixel_values, dtype="<f4").reshape(image.shape)
+            tiles = to_device(torch.from_numpy(pixels.copy()), self.device)
+            encoded = cache[k] = cast(Idefics3ForConditionalGeneration, self.model).encode_images(tiles)
+        return encoded
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, grammar: GrammarManager | None = None) -> RunnerOutput:
@@ -354,6 +450,7 @@ class ModelRunner:
         if events is not None:
             events[0].record()
         tp_logits: torch.Tensor | None = None
+        inputs_embeds = self._image_embeddings(scheduled, input_ids)
         if self.tp_runtime is not None:
             # Every rank runs this step: the plan goes out, then the forward and the LM head's gather.
             with self.tp_runtime.step():
@@ -361,6 +458,8 @@ class ModelRunner:
                 hidden, tp_logits = self.run_plan(
                     input_ids, positions, attn_metadata, index, self._logits_buffer(len(logits_rows))
                 )
+        elif inputs_embeds is not None:
+            hidden = self.model(input_ids, positions, attn_metadata, inputs_embeds)
         elif self.graph_runner is not None and self.graph_runner.can_run(attn_metadata):
             hidden = self.graph_runner.run(input_ids, positions, attn_metadata)
         else:

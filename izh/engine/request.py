@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from izh.pooling_params import PoolingParams
+    from izh.protocol import ImageInput
     from izh.sampling_params import SamplingParams
 
 
@@ -66,6 +67,9 @@ class Request:
     lora_name: str | None = None
     pooling_params: PoolingParams | None = None
     """Set for an embedding request (prompt-only): pooled after its prompt is computed, in one step."""
+    images: list[ImageInput] | None = None
+    """A VLM's images: their features replace the embeddings of their placeholder tokens in prefill,
+    and their content hashes key the prefix-cache blocks those placeholders overlap."""
 
     output_token_ids: list[int] = field(init=False, default_factory=list)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)

@@ -31,11 +31,12 @@ from izh.errors import (
     Overloaded,
 )
 from izh.frontend.client import EngineCoreClient
+from izh.frontend.image_processor import check_no_image_placeholders, load_image_processor
 from izh.frontend.input_processor import validate_request
 from izh.frontend.output_processor import OutputProcessor, RequestOutput, RequestState
 from izh.frontend.stats import RequestMetrics, StatLogger, StatLoggers
 from izh.pooling_params import PoolingParams
-from izh.protocol import Abort, AddRequest, EngineOutputs, Ready
+from izh.protocol import Abort, AddRequest, EngineOutputs, ImageInput, Ready
 from izh.sampling_params import SamplingParams
 from izh.tokenizer import Tokenizer, load_tokenizer
 
@@ -255,6 +256,8 @@ class AsyncLLM:
         self.max_buffered_outputs = max_buffered_outputs
         self.stat_loggers = StatLoggers(stat_loggers)
         self._processor = OutputProcessor(tokenizer)
+        self.image_processor = load_image_processor(config.model)
+        """A vision-language model's image processor (its prompt layout and pixels); None: text only."""
         self._requests: dict[str, RequestStream] = {}
         self._num_waiting = 0
         """Admitted requests without any output token yet (queued or prefilling in the core)."""
@@ -404,6 +407,7 @@ class AsyncLLM:
         deadline_s: float | None = None,
         prompt_param: str = "prompt",
         pooling_params: PoolingParams | None = None,
+        images: list[ImageInput] | None = None,
     ) -> RequestStream:
         """Validate, admit and send one request (n == 1); returns its output stream.
 
@@ -416,8 +420,13 @@ class AsyncLLM:
         draining or restarting the core, EngineDead when the core is gone.
 
         `pooling_params` makes it an embedding request (params with max_tokens 0): its finished
-        output carries the vector in `embedding`.
+        output carries the vector in `embedding`. `images` are a VLM's preprocessed images, placed in
+        the prompt by `image_processor` (izh.frontend.image_processor.ImagePrompt).
         """
+        if images and self.image_processor is None:
+            raise InvalidRequest(f"this model ({self.model_name}) takes no images", param=prompt_param)
+        if not images and self.image_processor is not None:
+            check_no_image_placeholders(prompt_token_ids, self.image_processor.image_token_id, prompt_param)
         scope = REQUEST_SCOPE.get()
         params = await self._validated_params(
             request_id, prompt_token_ids, params, prompt_param, pooling_params
@@ -437,6 +446,7 @@ class AsyncLLM:
                 priority=priority,
                 cache_salt=combined_cache_salt(scope.cache_salt if scope else None, cache_salt),
                 pooling_params=pooling_params,
+                images=images or None,
             )
         )
         if scope is not None:

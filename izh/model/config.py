@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from izh.errors import ModelLoadError
@@ -21,7 +21,43 @@ _HF_ARCH_TO_TYPE = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "BertModel": "bert",
+    "Idefics3ForConditionalGeneration": "idefics3",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class VisionConfig:
+    """A VLM's vision encoder (Idefics3's SigLIP-style ViT): config.json's `vision_config`."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-6
+    hidden_act: str = "gelu_pytorch_tanh"
+
+    @classmethod
+    def from_hf_config(cls, d: Mapping[str, Any]) -> VisionConfig:
+        act = str(d.get("hidden_act", "gelu_pytorch_tanh"))
+        if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu"):
+            raise ModelLoadError(f"vision hidden_act {act!r} is not supported (only gelu variants)")
+        try:
+            return cls(
+                hidden_size=int(d.get("hidden_size", 1152)),
+                intermediate_size=int(d.get("intermediate_size", 3072)),
+                num_hidden_layers=int(d.get("num_hidden_layers", 12)),
+                num_attention_heads=int(d.get("num_attention_heads", 16)),
+                image_size=int(d.get("image_size", 224)),
+                patch_size=int(d.get("patch_size", 32)),
+                num_channels=int(d.get("num_channels", 3)),
+                layer_norm_eps=float(d.get("layer_norm_eps", 1e-6)),
+                hidden_act=act,
+            )
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"config.json's vision_config is malformed: {e}") from e
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +87,12 @@ class ModelConfig:
     `rms_norm_eps` then holds its LayerNorm's eps, and `rope_theta` is unused."""
     hidden_act: str = "silu"
     type_vocab_size: int = 0
+    vision: VisionConfig | None = None
+    """A vision-language model's image encoder (Idefics3); None for a text-only model."""
+    image_token_id: int = -1
+    """The `<image>` placeholder whose embeddings the image features replace (a VLM only)."""
+    scale_factor: int = 1
+    """The connector's pixel-shuffle factor (Idefics3)."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -73,6 +115,8 @@ class ModelConfig:
         architecture = _hf_architecture(d)
         if architecture == "bert":
             return cls._from_hf_bert_config(d)
+        if architecture == "idefics3":
+            return cls._from_hf_idefics3_config(d)
         _reject_unsupported_hf_features(d)
         try:
             hidden_size = int(d["hidden_size"])
@@ -97,6 +141,34 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks the required field {e.args[0]!r}") from e
+
+    @classmethod
+    def _from_hf_idefics3_config(cls, d: Mapping[str, Any]) -> ModelConfig:
+        """Idefics3 / SmolVLM: its text_config is a Llama (the decoder), plus the vision encoder."""
+        text = d.get("text_config")
+        if not isinstance(text, Mapping):
+            raise ModelLoadError("an idefics3 config.json needs a text_config object")
+        text_type = text.get("model_type", "llama")
+        if text_type != "llama":
+            raise ModelLoadError(f"idefics3 text model type {text_type!r} is not supported (only 'llama')")
+        decoder = cls.from_hf_config({**text, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+        if "image_token_id" not in d:
+            raise ModelLoadError("config.json lacks the required field 'image_token_id'")
+        vision = VisionConfig.from_hf_config(d.get("vision_config") or {})
+        scale_factor = int(d.get("scale_factor", 2))
+        side = vision.image_size // vision.patch_size
+        if side % scale_factor:
+            raise ModelLoadError(
+                f"the vision encoder's {side} patches per side are not a multiple of scale_factor {scale_factor}"
+            )
+        return replace(
+            decoder,
+            architecture="idefics3",
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", decoder.tie_word_embeddings)),
+            vision=vision,
+            image_token_id=int(d["image_token_id"]),
+            scale_factor=scale_factor,
+        )
 
     @classmethod
     def _from_hf_bert_config(cls, d: Mapping[str, Any]) -> ModelConfig:

@@ -125,8 +125,10 @@ class DecoderModel(nn.Module):
         cos_sin: Tensor,
         attn_metadata: AttentionMetadata,
         backend: AttentionBackend,
+        inputs_embeds: Tensor | None = None,
     ) -> Tensor:
-        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        # [num_tokens, hidden_size]; a VLM's prefill passes embeddings with its images' features merged in.
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual: Tensor | None = None
         for layer in self.layers:
             hidden_states, residual = layer(hidden_states, residual, cos_sin, attn_metadata, backend)
@@ -173,15 +175,23 @@ class LlamaForCausalLM(nn.Module):
         """(bias on q/k/v, bias on o_proj): transformers' Llama puts attention_bias on all four."""
         return config.attention_bias, config.attention_bias
 
-    def forward(self, input_ids: Tensor, positions: Tensor, attn_metadata: AttentionMetadata) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        attn_metadata: AttentionMetadata,
+        inputs_embeds: Tensor | None = None,
+    ) -> Tensor:
         """Final-normed hidden states [num_tokens, hidden_size] for a flat batch of token ids
-        [num_tokens] int64 at absolute positions [num_tokens] int64."""
+        [num_tokens] int64 at absolute positions [num_tokens] int64. `inputs_embeds` [num_tokens,
+        hidden_size] replaces the embedding lookup (a VLM's prefill with image features)."""
         cos_sin = self.rotary_emb(positions)  # [num_tokens, head_dim], shared by every layer
         backend = self.paged_backend if self._kv_caches_bound else self.reference_backend
         stack = self.fused_stack
         if stack is not None and stack.applies(input_ids, attn_metadata, backend):
-            return stack.run(self.model.embed_tokens(input_ids), cos_sin, attn_metadata)
-        return self.model(input_ids, cos_sin, attn_metadata, backend)
+            embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            return stack.run(embeds, cos_sin, attn_metadata)
+        return self.model(input_ids, cos_sin, attn_metadata, backend, inputs_embeds)
 
     def prepare_fused_decode(self) -> bool:
         """Run small decode steps through `FusedDecodeStack` from now on, when this model can (packed

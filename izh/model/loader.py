@@ -20,6 +20,7 @@ from izh.errors import ModelLoadError
 from izh.model import gguf_loader, parallel
 from izh.model.config import ModelConfig
 from izh.model.gguf_file import GGUFFile
+from izh.model.idefics3 import Idefics3ForConditionalGeneration
 from izh.model.llama import LlamaForCausalLM
 from izh.model.parallel import TensorParallel
 from izh.model.registry import build_model, get_model_class
@@ -92,6 +93,8 @@ def load_model(
                 tensors = list(_safetensors_checkpoint_tensors(path, files))
             if config.is_encoder:
                 tensors = _encoder_tensors(tensors)
+            if config.vision is not None:
+                tensors = _vlm_tensors(tensors)
         get_model_class(config.architecture)
         if tp is not None and tp.world_size > 1:
             parallel.check_tensor_parallel(config, tp.world_size)
@@ -130,6 +133,16 @@ def _encoder_tensors(tensors: list[CheckpointTensor]) -> list[CheckpointTensor]:
             continue
         kept.append(CheckpointTensor(name=name, shape=t.shape, source=t.source, read=t.read))
     return kept
+
+
+def _vlm_tensors(tensors: list[CheckpointTensor]) -> list[CheckpointTensor]:
+    """An Idefics3 checkpoint under the model's names (`model.text_model.` -> `model.`, ...); a name
+    outside its prefixes is kept as is, for load_weights to report as unexpected."""
+    renamed = []
+    for t in tensors:
+        name = Idefics3ForConditionalGeneration.checkpoint_name(t.name) or t.name
+        renamed.append(CheckpointTensor(name=name, shape=t.shape, source=t.source, read=t.read))
+    return renamed
 
 
 def _check_exists(path: str) -> None:

@@ -160,6 +160,11 @@ def check_tensor_parallel(config: ModelConfig, world_size: int) -> None:
             f"tensor_parallel_size {world_size}: tensor parallelism serves decoder models only, and "
             f"{config.architecture} is an encoder; use --tensor-parallel-size 1"
         )
+    if config.vision is not None:
+        raise ModelLoadError(
+            f"tensor_parallel_size {world_size}: the vision encoder of {config.architecture} is not split "
+            "across ranks; serve this vision-language model with --tensor-parallel-size 1"
+        )
     problems = [
         f"{name} {value}"
         for name, value in (

@@ -325,3 +325,80 @@ def test_a_terminal_session_with_system_multi_line_ctrl_c_and_ctrl_d() -> None:
         {"role": "user", "content": "still here"},
     ]
     assert "Traceback" not in term.output
+
+
+def _png_file(path: Path, seed: int = 1) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.RandomState(seed).randint(0, 256, (40, 60, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path, format="PNG")
+    return path
+
+
+def test_image_attaches_to_the_next_message(tmp_path: Path) -> None:
+    import base64
+
+    png = _png_file(tmp_path / "cat.png")
+    (tmp_path / "notes.txt").write_text("not an image")
+    lines = (
+        f"/image {tmp_path / 'notes.txt'}\n"
+        f"/image {tmp_path / 'missing.png'}\n"
+        "/image\n"
+        f"/image {png}\n"
+        "/image\n"
+        "what is this?\n"
+        "and now?\n"
+        f"/image {png}\n"
+        "/image clear\n"
+        "bye\n"
+    )
+    with fake_server() as (url, fake):
+        result = invoke(["--url", f"{url}/v1"], lines)
+        bodies = fake.state.bodies
+    assert result.exit_code == 1, result.output  # the chat goes on, but the failed commands count
+    notes = " ".join(result.stderr.split())  # the console wraps long lines
+    assert "notes.txt is not a PNG, JPEG or WebP image." in notes
+    assert "Cannot read" in notes and "No image attached" in notes
+    assert "Attached to your next message: cat.png" in notes and "Images dropped." in notes
+    data_url = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
+    assert bodies[0]["messages"] == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url}},
+                {"type": "text", "text": "what is this?"},
+            ],
+        }
+    ]
+    # Sent once: the next messages (and the one after /image clear) are text, the history keeps the image.
+    assert bodies[1]["messages"][0] == bodies[0]["messages"][0]
+    assert bodies[1]["messages"][2] == {"role": "user", "content": "and now?"}
+    assert bodies[2]["messages"][4] == {"role": "user", "content": "bye"}
+
+
+def test_image_chat_with_a_vision_model(tmp_path: Path, tiny_idefics3_dir: str) -> None:
+    """`izh chat` against a real server of a tiny random VLM: the reply is the API's for the same image."""
+    import base64
+
+    from izh.config import EngineConfig
+    from tests.e2e.api_server import api_server
+
+    png = _png_file(tmp_path / "cat.png", seed=3)
+    config = EngineConfig(model=tiny_idefics3_dir, served_model_name="vlm", device="cpu", dtype="float32")
+    with api_server(config) as server:
+        result = invoke(
+            ["--url", f"{server.url}/v1", "--temperature", "0", "--max-tokens", "6"],
+            f"/image {png}\nWhat is it?\n",
+        )
+        url = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
+        body = {
+            "model": "vlm",
+            "messages": [{"role": "user", "content": content}],
+            "temperature": 0,
+            "max_tokens": 6,
+        }
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+    assert result.exit_code == 0, result.output
+    assert result.stdout == reply["choices"][0]["message"]["content"].replace("\n", " ") + "\n"

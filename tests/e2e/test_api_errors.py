@@ -82,8 +82,9 @@ def _assert_healthy(server: ApiServer) -> None:
         ({"model": MODEL, "messages": "hello"}, "messages"),
         ({"model": MODEL}, "messages"),
         (
+            # A text-only model: the image part is named.
             _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-            "messages.0.content",
+            "messages.0.content.0.image_url",
         ),
     ],
 )

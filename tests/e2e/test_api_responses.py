@@ -514,8 +514,9 @@ def test_unknown_ids_are_404s_in_openais_format(server: ApiServer) -> None:
         ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
         ({"text": {"verbosity": "low"}}, "text.verbosity"),
         (
+            # A text-only model: the image part is named.
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-            "input.0.content.0.type",
+            "input.0.content.0.image_url",
         ),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role"),

@@ -270,3 +270,32 @@ def test_check_invariants_catches_corruption() -> None:
     manager.block_pool.blocks[3].block_hash = b"stale"
     with pytest.raises(AssertionError, match="block 3"):
         manager.check_invariants()
+
+
+def test_blocks_overlapping_an_image_carry_its_content_hash() -> None:
+    from izh.protocol import ImageInput
+
+    def with_image(content_hash: str) -> Request:
+        # Placeholders at positions 5..10: blocks 1 and 2 (of 4 tokens) overlap the image, block 0 does not.
+        request = make_request(content_hash, [1, 2, 3, 4, 5, 7, 7, 7, 7, 7, 7, 8, 9, 10])
+        image = ImageInput(
+            pixel_values=b"", shape=(1, 3, 8, 8), offset=5, length=6, content_hash=content_hash
+        )
+        request.images = [image]
+        update_block_hashes(request, BLOCK_SIZE)
+        return request
+
+    plain = make_request("plain", [1, 2, 3, 4, 5, 7, 7, 7, 7, 7, 7, 8, 9, 10])
+    update_block_hashes(plain, BLOCK_SIZE)
+    cat, cat_again, dog = with_image("cat"), with_image("cat"), with_image("dog")
+    assert cat.block_hashes == cat_again.block_hashes
+    assert cat.block_hashes[0] == dog.block_hashes[0] == plain.block_hashes[0]
+    assert cat.block_hashes[1] == hash_block_tokens(cat.block_hashes[0], [5, 7, 7, 7], ("cat",))
+    assert cat.block_hashes[2] == hash_block_tokens(cat.block_hashes[1], [7, 7, 7, 8], ("cat",))
+    assert all(c != d for c, d in zip(cat.block_hashes[1:], dog.block_hashes[1:], strict=True))
+    assert all(c != p for c, p in zip(cat.block_hashes[1:], plain.block_hashes[1:], strict=True))
+
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE)
+    schedule_prompt(manager, with_image("cat"))
+    assert manager.get_computed_blocks(with_image("cat"))[1] == 12
+    assert manager.get_computed_blocks(with_image("dog"))[1] == 4  # the block before the image only
