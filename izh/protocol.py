@@ -39,6 +39,8 @@ class AddRequest(msgspec.Struct, tag=True, kw_only=True):
     pooling_params: PoolingParams | None = None
     """Set for an embedding request (then max_tokens is 0): the core pools its prompt's final hidden
     states and returns the vector in EngineOutput.embedding."""
+    lora_name: str | None = None
+    """The LoRA adapter to run with (one the core has loaded); None for the base model."""
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -48,8 +50,9 @@ class Abort(msgspec.Struct, tag=True):
 class Utility(msgspec.Struct, tag=True):
     """A call on the core answered by a UtilityResult with the same call_id.
 
-    Methods: "ping" (heartbeat), "reset_prefix_cache", "kv_block_states". (Stats are not asked for:
-    the core publishes them on EngineOutputs.)
+    Methods: "ping" (heartbeat), "reset_prefix_cache", "kv_block_states", "load_lora_adapter" (name,
+    path), "unload_lora_adapter" (name). (Stats are not asked for: the core publishes them on
+    EngineOutputs.)
     """
 
     call_id: int
@@ -112,6 +115,10 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     kv_block_states: bytes | None = None
     """One byte per block id (0 free, 1 cached, 2 used); None when this message carries no block map
     (it rides at most every BLOCK_MAP_INTERVAL_S: building it is O(num_blocks))."""
+    running_lora_adapters: list[str] = []
+    """The LoRA adapters of the running requests (names, sorted)."""
+    waiting_lora_adapters: list[str] = []
+    max_loras: int = 0
 
 
 class EngineOutputs(msgspec.Struct, tag=True, kw_only=True):
@@ -144,6 +151,11 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
     matryoshka_dimensions: list[int] | None = None
     """None: the model declares no Matryoshka training, so `dimensions` is refused; [] any size up to
     hidden_size; else the sizes it was trained for."""
+    lora_adapters: list[tuple[str, str]] = []
+    """The LoRA adapters loaded at start (--lora-modules): (name, path)."""
+    max_loras: int = 0
+    """Adapters resident at once; 0: LoRA is off (no adapter can be loaded)."""
+    max_lora_rank: int = 0
 
 
 class Dead(msgspec.Struct, tag=True):

@@ -67,7 +67,7 @@ def hash_block_tokens(
 def update_block_hashes(request: Request, block_size: int) -> None:
     """Extend `request.block_hashes` to cover every full block of its known tokens.
 
-    Only blocks that became full since the last call are hashed. The extra keys (LoRA name, cache salt)
+    Only blocks that became full since the last call are hashed. The extra keys (LoRA adapter, cache salt)
     go into the first block only: every later hash chains from it, so they carry the salt too.
     """
     hashes = request.block_hashes
@@ -77,7 +77,7 @@ def update_block_hashes(request: Request, block_size: int) -> None:
     token_ids = request.all_token_ids
     for index in range(len(hashes), num_full_blocks):
         parent = hashes[-1] if hashes else None
-        extra_keys = None if parent is not None else (request.lora_name, request.cache_salt)
+        extra_keys = None if parent is not None else (request.lora_key, request.cache_salt)
         start = index * block_size
         hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys))
 

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 
-from izh.config import EngineConfig
+from izh.config import EngineConfig, lora_enabled
 from izh.engine.guided import GrammarManager, apply_bitmask
+from izh.engine.lora_manager import LoraManager
 from izh.engine.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator, to_device
 from izh.engine.scheduler import ScheduledRequest, SchedulerOutput
 from izh.errors import ModelLoadError
@@ -168,6 +169,14 @@ class ModelRunner:
             assert stack is not None
             limit = "any number of" if stack.max_tokens >= RECORDS_ANY_ROWS else f"<= {stack.max_tokens}"
             logger.info("decode steps of %s tokens run the fused C decoder stack", limit)
+        self.lora: LoraManager | None = None
+        """The LoRA adapters (when the config enables LoRA): attached before the CUDA graphs are captured,
+        which then run base-only steps (a step with adapter tokens runs eagerly)."""
+        if lora_enabled(config):
+            if self.is_encoder:
+                raise ModelLoadError("LoRA adapters are served on decoder (generative) models only")
+            lora_model = self.model.attach_lora(config.max_loras, config.max_lora_rank)
+            self.lora = LoraManager(lora_model, self.model_config)
         self.graph_runner = self._make_graph_runner()
         # Unseeded sampling draws from the engine's own generator, seeded by the engine seed setting.
         self.sampler = Sampler(make_generator(config.seed, self.device))
@@ -293,10 +302,15 @@ class ModelRunner:
         start = time.perf_counter()
         if events is not None:
             events[0].record()
-        if self.graph_runner is not None and self.graph_runner.can_run(attn_metadata):
-            hidden = self.graph_runner.run(input_ids, positions, attn_metadata)
-        else:
-            hidden = self.model(input_ids, positions, attn_metadata)  # [num_tokens, hidden_size]
+        lora_step = self.lora is not None and self.lora.prepare(scheduled, sched.running_lora_ids)
+        try:
+            if not lora_step and self.graph_runner is not None and self.graph_runner.can_run(attn_metadata):
+                hidden = self.graph_runner.run(input_ids, positions, attn_metadata)
+            else:
+                hidden = self.model(input_ids, positions, attn_metadata)  # [num_tokens, hidden_size]
+        finally:
+            if self.lora is not None:
+                self.lora.finish()
         embeddings = self._pool(scheduled, pool_rows, hidden) if pool_rows else {}
         if not logits_rows:
             # Only prompt-only requests, none of them at a prompt-logprob row: no logits to compute.
