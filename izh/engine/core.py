@@ -350,7 +350,7 @@ class EngineCore:
         try:
             loaded = self._lora().add(name, path)
         except IzhError as exc:
-            return {"error": exc.message, "status": exc.status_code, "code": exc.code}
+            return {"error": exc.message, "status": exc.status_code, "code": exc.code, "param": exc.param}
         return {"name": loaded.name, "path": loaded.path, "rank": loaded.rank}
 
     def unload_lora_adapter(self, name: str) -> dict[str, Any]:
@@ -359,7 +359,7 @@ class EngineCore:
         try:
             self._lora().remove(name)
         except IzhError as exc:
-            return {"error": exc.message, "status": exc.status_code, "code": exc.code}
+            return {"error": exc.message, "status": exc.status_code, "code": exc.code, "param": exc.param}
         return {}
 
     def make_stats(self) -> SchedulerStats:

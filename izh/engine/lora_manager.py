@@ -16,6 +16,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from izh.engine.scheduler import ScheduledRequest
 from izh.errors import LoraAdapterError, ModelNotFound
@@ -65,7 +66,9 @@ class LoraManager:
             raise LoraAdapterError(f"bad LoRA adapter name {name!r}", param="lora_name")
         if name in self._ids:
             raise LoraAdapterError(f"a LoRA adapter named {name!r} is already loaded", param="lora_name")
-        adapter = load_peft_adapter(name, path, self.model_config, max_rank=self.max_lora_rank)
+        adapter = load_peft_adapter(
+            name, str(Path(path).resolve()), self.model_config, max_rank=self.max_lora_rank
+        )
         lora_id = self._next_id
         self._next_id += 1
         self._adapters[lora_id] = adapter
