@@ -122,29 +122,29 @@ class LoraManager:
 
     # --- steps ----------------------------------------------------------------------------------
 
-    def prepare(self, scheduled: list[ScheduledRequest], running_ids: Iterable[int]) -> bool:
+    def prepare(
+        self, scheduled: list[ScheduledRequest], running_ids: Iterable[int]
+    ) -> list[ScheduledRequest] | None:
         """Put every adapter of the step in a slot and group the step's tokens by slot for the model.
-        `running_ids`: the adapters of every running request (their slots are never taken). Returns
-        whether the step has adapter tokens; call `finish` after the forward."""
+        `running_ids`: the adapters of every running request (their slots are never taken). Returns None
+        when the step has no adapter tokens; else the step's requests in the order the runner must batch
+        them: the base model's first, then by slot (so that a decode step's adapter tokens lie in equal,
+        consecutive segments the deltas read in place). Call `finish` after the forward."""
         if not any(s.request.lora_id for s in scheduled):
             self.lora_model.clear_batch()
-            return False
+            return None
         protected = set(running_ids)
         self._clock += 1
         slot_of: dict[int, int] = {}
-        segments: list[tuple[int, int]] = []
         for s in scheduled:
             lora_id = s.request.lora_id
-            if not lora_id:
-                segments.append((-1, s.num_scheduled_tokens))
-                continue
-            slot = slot_of.get(lora_id)
-            if slot is None:
-                slot = self._slot_for(lora_id, protected | set(slot_of))
-                slot_of[lora_id] = slot
-            segments.append((slot, s.num_scheduled_tokens))
-        self.lora_model.set_batch(segments)
-        return True
+            if lora_id and lora_id not in slot_of:
+                slot_of[lora_id] = self._slot_for(lora_id, protected | set(slot_of))
+        ordered = sorted(scheduled, key=lambda s: slot_of.get(s.request.lora_id, -1))
+        segments = [(slot_of.get(s.request.lora_id, -1), s.num_scheduled_tokens) for s in ordered]
+        ranks = [self._adapters[i].rank if i is not None and i in self._adapters else 0 for i in self._slots]
+        self.lora_model.set_batch(segments, ranks)
+        return ordered
 
     def _slot_for(self, lora_id: int, protected: set[int]) -> int:
         """The slot holding `lora_id`, loading it into a free or the least recently used unprotected one."""

@@ -290,6 +290,17 @@ class ModelRunner:
         scheduled = sched.scheduled
         if not scheduled:
             return RunnerOutput()
+        # A step with LoRA tokens: adapters in their slots, the batch ordered by slot (izh.engine.lora_manager).
+        lora_order = self.lora.prepare(scheduled, sched.running_lora_ids) if self.lora is not None else None
+        try:
+            return self._execute(lora_order or scheduled, grammar, lora_step=lora_order is not None)
+        finally:
+            if self.lora is not None:
+                self.lora.finish()
+
+    def _execute(
+        self, scheduled: list[ScheduledRequest], grammar: GrammarManager | None, *, lora_step: bool
+    ) -> RunnerOutput:
         input_ids, positions, attn_metadata = self._prepare_inputs(scheduled)
         sample_rows, prompt_rows, pool_rows = self._select_rows(scheduled, attn_metadata)
         logits_rows = [i for _, i in sample_rows]
@@ -302,15 +313,10 @@ class ModelRunner:
         start = time.perf_counter()
         if events is not None:
             events[0].record()
-        lora_step = self.lora is not None and self.lora.prepare(scheduled, sched.running_lora_ids)
-        try:
-            if not lora_step and self.graph_runner is not None and self.graph_runner.can_run(attn_metadata):
-                hidden = self.graph_runner.run(input_ids, positions, attn_metadata)
-            else:
-                hidden = self.model(input_ids, positions, attn_metadata)  # [num_tokens, hidden_size]
-        finally:
-            if self.lora is not None:
-                self.lora.finish()
+        if not lora_step and self.graph_runner is not None and self.graph_runner.can_run(attn_metadata):
+            hidden = self.graph_runner.run(input_ids, positions, attn_metadata)
+        else:
+            hidden = self.model(input_ids, positions, attn_metadata)  # [num_tokens, hidden_size]
         embeddings = self._pool(scheduled, pool_rows, hidden) if pool_rows else {}
         if not logits_rows:
             # Only prompt-only requests, none of them at a prompt-logprob row: no logits to compute.

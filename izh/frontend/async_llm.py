@@ -473,6 +473,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         deadline_s: float | None = None,
         prompt_param: str = "prompt",
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """add_request, then yield its outputs; closing or cancelling the generator aborts it."""
         stream = await self.add_request(
@@ -483,6 +484,7 @@ class AsyncLLM:
             cache_salt=cache_salt,
             deadline_s=deadline_s,
             prompt_param=prompt_param,
+            lora_name=lora_name,
         )
         async with stream:
             async for out in stream:

@@ -4,8 +4,10 @@ batched delta of one step.
 An adapter adds `scaling * B (A x)` to the output of a projection (q/k/v/o, gate/up/down), with A [r, in]
 and B [out, r]; `scaling` is lora_alpha / r (lora_alpha / sqrt(r) with use_rslora), as in peft. The model
 keeps `num_slots` adapters resident: every packed `Linear` of every layer gets a `LoraLinear` holding
-A [slots, n * R, in] and B [slots, out, n * R] (n: the checkpoint projections packed in it, R:
-max_lora_rank, ranks below R zero-padded; B block-diagonal over the shards, the scaling folded in).
+A [slots, R * n, in] and B [slots, out, R * n] (n: the checkpoint projections packed in it, R:
+max_lora_rank; B block-diagonal over the shards, the scaling folded in). The rank dimension is
+rank-major (row j * n + i is shard i's rank-j row), so a step whose adapters have rank <= r reads only
+the first r * n rows: rank-8 adapters in rank-16 slots cost what rank-8 slots would.
 
 A step's batch mixes requests on the base model (slot -1) and on any of the slots. `LoraModel.set_batch`
 groups the step's tokens by slot once; each linear then gathers its adapter tokens padded to
@@ -212,8 +214,14 @@ class LoraBatch:
     num_segments: int
     length: int
     """L, the longest segment."""
-    whole_batch: bool
-    """One segment covering every token of the step in order: no gather or scatter needed."""
+    rank: int
+    """The largest rank among the step's adapters (the slots' rows past it are zeros for all of them)."""
+    slot_range: tuple[int, int] | None
+    """(first, end) when the segments' slots are consecutive: the stacked weights are sliced, not gathered."""
+    contiguous_start: int | None
+    """Set when the segments are equal in length and lie one after the other from this row, in slot
+    order (a decode step whose batch the runner sorted by slot): the tokens are a view, not gathered, and
+    the deltas are added in place, not scattered."""
 
 
 class LoraLinear:
@@ -247,14 +255,14 @@ class LoraLinear:
         if adapter is None:
             return
         r = adapter.rank
+        n = len(self.projections)
         for i, (projection, (start, end)) in enumerate(zip(self.projections, self.rows, strict=True)):
             pair = adapter.weights.get((layer, projection))
             if pair is None:
                 continue
             a, b = pair
-            k = i * self.max_rank
-            self.a[slot, k : k + r].copy_(a)
-            self.b[slot, start:end, k : k + r].copy_(b * adapter.scaling)
+            self.a[slot, i : r * n : n].copy_(a)  # rank-major: rank j of shard i at row j * n + i
+            self.b[slot, start:end, i : r * n : n].copy_(b * adapter.scaling)
 
     def hook(self, module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> Tensor:
         """forward hook: output += the batch's adapter deltas (in place; the base output is fresh)."""
@@ -263,18 +271,23 @@ class LoraLinear:
             return output
         x = args[0]
         s = batch.num_segments
-        if s == 1:
-            slot = int(batch.slots[0])  # a host tensor: no device sync
-            a, b = self.a[slot : slot + 1], self.b[slot : slot + 1]
+        k = batch.rank * len(self.projections)
+        if batch.slot_range is not None:
+            first, end = batch.slot_range
+            a, b = self.a[first:end, :k], self.b[first:end, :, :k]
         else:
-            a, b = self.a.index_select(0, batch.slots_device), self.b.index_select(0, batch.slots_device)
-        if batch.whole_batch:
-            xs = x.unsqueeze(0)
+            a = self.a.index_select(0, batch.slots_device)[:, :k]
+            b = self.b.index_select(0, batch.slots_device)[:, :, :k]
+        start = batch.contiguous_start
+        if start is not None:
+            end = start + s * batch.length
+            xs = x[start:end].view(s, batch.length, x.shape[-1])
         else:
             xs = x.index_select(0, batch.gather).view(s, batch.length, x.shape[-1])
         delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2))  # [S, L, out]
-        if batch.whole_batch:
-            return output.add_(delta[0])
+        if start is not None:
+            output[start:end].view_as(delta).add_(delta)
+            return output
         delta = delta.view(s * batch.length, -1)
         if batch.valid is not None:
             delta = delta.index_select(0, batch.valid)
@@ -320,16 +333,16 @@ class LoraModel:
                 for lora in linears:
                     lora.set_slot(slot, adapter, index)
 
-    def set_batch(self, segments: Sequence[tuple[int, int]]) -> None:
+    def set_batch(self, segments: Sequence[tuple[int, int]], ranks: Sequence[int]) -> None:
         """Group the next forward's tokens: `segments` lists, in batch order, (slot or -1 for the base
-        model, number of tokens) per request. Call `clear_batch` after the forward."""
+        model, number of tokens) per request; `ranks[slot]` is the rank of the adapter in each slot.
+        Call `clear_batch` after the forward."""
         by_slot: dict[int, list[tuple[int, int]]] = {}
         start = 0
         for slot, num_tokens in segments:
             if slot >= 0 and num_tokens > 0:
                 by_slot.setdefault(slot, []).append((start, start + num_tokens))
             start += num_tokens
-        total = start
         if not by_slot:
             self.batch = None
             return
@@ -345,6 +358,8 @@ class LoraModel:
             valid.extend(range(i * length, i * length + len(seg)))
             gather.extend(seg + [seg[0]] * (length - len(seg)))
         padded = len(valid) != len(gather)
+        first = by_slot[slots[0]][0][0]
+        contiguous = not padded and rows == list(range(first, first + len(rows)))
         dev = self._device
         slots_host = torch.tensor(slots, dtype=torch.long)
         batch = LoraBatch(
@@ -355,7 +370,9 @@ class LoraModel:
             rows=torch.tensor(rows, dtype=torch.long).to(dev),
             num_segments=len(slots),
             length=length,
-            whole_batch=len(slots) == 1 and len(rows) == total,
+            rank=max(ranks[slot] for slot in slots),
+            slot_range=(slots[0], slots[-1] + 1) if slots[-1] - slots[0] == len(slots) - 1 else None,
+            contiguous_start=first if contiguous else None,
         )
         self.batch = batch
 
