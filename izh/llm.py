@@ -177,8 +177,10 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+        """Render each conversation with the model's chat template, then generate (with the LoRA adapter
+        `lora_name`, if given)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self.tokenizer.apply_chat_template(
@@ -195,7 +197,7 @@ class LLM:
             {"prompt": p, "prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False)}
             for p in prompts
         ]
-        return self.generate(token_prompts, sampling_params)
+        return self.generate(token_prompts, sampling_params, lora_name=lora_name)
 
     def embed(
         self,

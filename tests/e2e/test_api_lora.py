@@ -259,3 +259,42 @@ def test_runtime_routes_are_off_by_default(tiny_llama_dir: str, tmp_path: Path) 
             assert "--allow-runtime-lora-updating" in _error(response)["message"]
         models = httpx.get(f"{off.url}/v1/models").json()
         assert [m["id"] for m in models["data"]] == [BASE]
+
+
+def test_a_restarted_core_gets_the_runtime_adapters_back(
+    tiny_llama_dir: str, adapter_dirs: dict[str, str], reference: dict[str | None, str]
+) -> None:
+    import os
+    import signal
+    import time
+
+    config = EngineConfig(
+        model=tiny_llama_dir,
+        served_model_name=BASE,
+        kv_cache_memory_bytes=8 << 20,
+        lora_modules=(("a", adapter_dirs["a"]),),
+        max_loras=2,
+    )
+    start = {"core_mode": "process", "restart_dead_core": True}
+    with api_server(config, start_kwargs=start, allow_runtime_lora_updating=True) as served:
+        assert (
+            _post(
+                served, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": adapter_dirs["b"]}
+            ).status_code
+            == 200
+        )
+        assert _post(served, "/v1/unload_lora_adapter", {"lora_name": "a"}).status_code == 200
+        llm = served.llm
+        assert llm is not None
+        old_core = llm.client.core_pid
+        assert old_core is not None
+        os.kill(old_core, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (llm.num_core_restarts == 1 and llm.is_ready):
+            time.sleep(0.2)
+        assert llm.num_core_restarts == 1 and llm.client.core_pid != old_core
+        with openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0) as c:
+            assert [m.id for m in c.models.list().data] == [BASE, "b"]
+            assert _completion_text(c, "b") == ("b", reference["b"])  # the new core loaded it again
+            with pytest.raises(openai.NotFoundError):
+                c.completions.create(model="a", prompt="hi", max_tokens=2)
