@@ -298,3 +298,19 @@ def test_a_restarted_core_gets_the_runtime_adapters_back(
             assert _completion_text(c, "b") == ("b", reference["b"])  # the new core loaded it again
             with pytest.raises(openai.NotFoundError):
                 c.completions.create(model="a", prompt="hi", max_tokens=2)
+
+
+def test_embeddings_run_on_the_adapter(client: openai.OpenAI) -> None:
+    base = (
+        client.embeddings.create(model=BASE, input="hello adapters", encoding_format="float")
+        .data[0]
+        .embedding
+    )
+    again = (
+        client.embeddings.create(model=BASE, input="hello adapters", encoding_format="float")
+        .data[0]
+        .embedding
+    )
+    adapted = client.embeddings.create(model="a", input="hello adapters", encoding_format="float")
+    assert adapted.model == "a"
+    assert base == again and adapted.data[0].embedding != base
