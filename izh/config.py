@@ -51,6 +51,15 @@ class EngineConfig:
     normalize_embeddings: bool | None = None
     """L2-normalize embeddings; None takes the model's (a sentence-transformers Normalize module, else
     True for a decoder, as vLLM does, and False for a bare encoder)."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """LoRA adapters to load at start: (name, local PEFT folder)."""
+    enable_lora: bool = False
+    """Give the model LoRA slots even without `lora_modules` (for adapters loaded at runtime); on
+    whenever `lora_modules` is set."""
+    max_loras: int = 4
+    """LoRA adapters resident at once (slots); the running requests use at most this many."""
+    max_lora_rank: int = 16
+    """The largest adapter rank the slots take."""
     cache_dir: str | None = None
     """model.cache_dir: the C kernels are cached in <cache_dir>/kernels; None takes the environment's
     (IZH_MODEL__CACHE_DIR / IZH_CACHE_DIR, else ~/.cache/izh)."""
@@ -89,6 +98,11 @@ CPU_BATCHED_TOKENS = 128
 running decodes keeps a step (and so every stream's inter-token gap) well under a second, where 2048
 tokens took ~6 s. Served with 8 streams of 1,000-token prompts, 256 gave an ITL p99 of 1.47 s and 128 of
 0.71 s, with the same throughput and a shorter TTFT (bench_results/README.md)."""
+
+
+def lora_enabled(config: EngineConfig) -> bool:
+    """Whether the engine gives the model LoRA slots."""
+    return config.enable_lora or bool(config.lora_modules)
 
 
 def default_batched_tokens(device_type: str) -> int:

@@ -47,6 +47,13 @@ class LimitExceeded(InvalidRequest):
     default_code = "limit_exceeded"
 
 
+class LoraAdapterError(InvalidRequest):
+    """A LoRA adapter cannot be served: a bad folder, an unsupported option, a rank above max_lora_rank,
+    a duplicate name (HTTP 400)."""
+
+    default_code = "invalid_lora_adapter"
+
+
 class Unauthorized(IzhError):
     status_code = 401
     error_type = "authentication_error"

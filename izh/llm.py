@@ -5,14 +5,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from izh.config import EngineConfig
 from izh.engine.core import EngineCore
-from izh.errors import InvalidRequest
+from izh.errors import InvalidRequest, LoraAdapterError
 from izh.frontend.image_processor import check_no_image_placeholders
 from izh.frontend.input_processor import validate_request
 from izh.frontend.output_processor import OutputProcessor, PositionLogprobs, RequestState
@@ -76,6 +76,10 @@ class LLM:
     arguments are EngineConfig fields (dtype, max_model_len, kv_cache_memory_bytes, block_size,
     max_num_batched_tokens, max_num_seqs, enable_prefix_caching, scheduling_policy, seed, ...).
 
+    LoRA: `lora_modules={"name": "/path/to/peft-folder", ...}` loads adapters at start (`max_loras`,
+    `max_lora_rank`, `enable_lora` as in EngineConfig); `generate(..., lora_name=...)` picks one per call
+    or per prompt.
+
     `progress` hears how loading and each generate() call advance (`ProgressFn`); the library itself
     never draws on the console (izh_cli.progress.ProgressBar draws these as Rich bars).
     """
@@ -94,6 +98,9 @@ class LLM:
         self.model_path = str(resolve_model(model, cache))
         engine_kwargs.setdefault("served_model_name", model)
         engine_kwargs.setdefault("cache_dir", str(cache))  # the C kernels go to <cache>/kernels
+        lora_modules = engine_kwargs.get("lora_modules")
+        if isinstance(lora_modules, Mapping):
+            engine_kwargs["lora_modules"] = tuple((str(k), str(v)) for k, v in lora_modules.items())
         self.config = EngineConfig(model=self.model_path, **engine_kwargs)
         self.progress = progress
         self.engine_core = EngineCore(self.config, progress=_in_phase(progress, LOADING_WEIGHTS))
@@ -101,6 +108,12 @@ class LLM:
         self._processor = OutputProcessor(self.tokenizer)
         self._states: dict[str, RequestState] = {}
         self._counter = itertools.count()
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT LoRA adapter at `path` as `name` (LoraAdapterError when it cannot be served)."""
+        result = self.engine_core.load_lora_adapter(name, path)
+        if "error" in result:
+            raise LoraAdapterError(result["error"], param="lora_path")
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
@@ -113,10 +126,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: Sequence[int] | None = None,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; returns the outputs in prompt order."""
+        """Generate for every prompt; returns the outputs in prompt order. `lora_name`: the LoRA adapter
+        of every prompt, or one per prompt (None: the base model)."""
         prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         params_list = self._broadcast_params(sampling_params, len(prompt_list))
+        if lora_name is None or isinstance(lora_name, str):
+            lora_names: list[str | None] = [lora_name] * len(prompt_list)
+        else:
+            lora_names = list(lora_name)
+            if len(lora_names) != len(prompt_list):
+                raise ValueError(f"{len(lora_names)} lora names for {len(prompt_list)} prompts")
         results: dict[str, RequestOutput] = {}
         children: dict[str, tuple[RequestOutput, int]] = {}
         try:
@@ -131,7 +152,13 @@ class LLM:
                 )
                 for k, child_params in enumerate(_child_params(params)):
                     child_id = request_id if params.n == 1 else f"{request_id}-{k}"
-                    self._add_request(child_id, token_ids, child_params, priority[i] if priority else 0)
+                    self._add_request(
+                        child_id,
+                        token_ids,
+                        child_params,
+                        priority[i] if priority else 0,
+                        lora_name=lora_names[i],
+                    )
                     children[child_id] = (results[request_id], k)
         except BaseException:
             # One bad prompt fails the call; what was already queued must not linger in the engine.
@@ -151,8 +178,10 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+        """Render each conversation with the model's chat template, then generate (with the LoRA adapter
+        `lora_name`, if given)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self.tokenizer.apply_chat_template(
@@ -169,7 +198,7 @@ class LLM:
             {"prompt": p, "prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False)}
             for p in prompts
         ]
-        return self.generate(token_prompts, sampling_params)
+        return self.generate(token_prompts, sampling_params, lora_name=lora_name)
 
     def embed(
         self,
@@ -218,6 +247,7 @@ class LLM:
         params: SamplingParams,
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
+        lora_name: str | None = None,
     ) -> None:
         # The one validation point, as the server's AsyncLLM: the engine core trusts what it gets.
         info = self.engine_core.embedding_info()
@@ -242,6 +272,7 @@ class LLM:
                 arrival_time=time.time(),
                 priority=priority,
                 pooling_params=pooling_params,
+                lora_name=lora_name,
             )
         )
         self._states[request_id] = self._processor.make_request_state(

@@ -59,6 +59,8 @@ class AddRequest(msgspec.Struct, tag=True, kw_only=True):
     (izh.engine.core_proc; always 0 with one frontend)."""
     images: list[ImageInput] | None = None
     """A VLM's images, in prompt order (their placeholder ranges do not overlap)."""
+    lora_name: str | None = None
+    """The LoRA adapter to run with (one the core has loaded); None for the base model."""
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -68,8 +70,9 @@ class Abort(msgspec.Struct, tag=True):
 class Utility(msgspec.Struct, tag=True):
     """A call on the core answered by a UtilityResult with the same call_id.
 
-    Methods: "ping" (heartbeat), "reset_prefix_cache", "kv_block_states". (Stats are not asked for:
-    the core publishes them on EngineOutputs.)
+    Methods: "ping" (heartbeat), "reset_prefix_cache", "kv_block_states", "load_lora_adapter" (name,
+    path), "unload_lora_adapter" (name). (Stats are not asked for: the core publishes them on
+    EngineOutputs.)
     """
 
     call_id: int
@@ -137,6 +140,10 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     engine_index: int = 0
     """Which data-parallel core published it: set by the frontend on receipt (the core does not
     know its index), for per-core metrics."""
+    running_lora_adapters: list[str] = []
+    """The LoRA adapters of the running requests (names, sorted)."""
+    waiting_lora_adapters: list[str] = []
+    max_loras: int = 0
 
 
 class EngineOutputs(msgspec.Struct, tag=True, kw_only=True):
@@ -169,6 +176,11 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
     matryoshka_dimensions: list[int] | None = None
     """None: the model declares no Matryoshka training, so `dimensions` is refused; [] any size up to
     hidden_size; else the sizes it was trained for."""
+    lora_adapters: list[tuple[str, str]] = []
+    """The LoRA adapters loaded at start (--lora-modules): (name, path)."""
+    max_loras: int = 0
+    """Adapters resident at once; 0: LoRA is off (no adapter can be loaded)."""
+    max_lora_rank: int = 0
 
 
 class Dead(msgspec.Struct, tag=True):

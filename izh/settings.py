@@ -154,6 +154,15 @@ CaseInsensitive = BeforeValidator(_lower)
 # The sections
 
 
+def parse_lora_module(entry: str) -> tuple[str, str]:
+    """ "name=path" -> (name, path)."""
+    name, sep, path = entry.partition("=")
+    name, path = name.strip(), path.strip()
+    if not sep or not name or not path:
+        raise ValueError(f"expected name=path for a LoRA adapter, got {entry!r}")
+    return name, path
+
+
 class _Section(BaseModel):
     # Unknown keys are errors (typos must not be ignored); settings are resolved once and never mutated.
     model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True, validate_by_alias=True)
@@ -202,6 +211,12 @@ class ModelSettings(_Section):
         description="L2-normalize embeddings; unset = the model's (a sentence-transformers Normalize "
         "module; else on for a decoder, off for a bare encoder).",
     )
+    lora_modules: Annotated[list[str], StringList] = Field(
+        default_factory=list,
+        description="LoRA adapters to serve, each name=path (a local PEFT folder: adapter_config.json + "
+        'adapter_model.safetensors); requests pick one with "model": "<name>". Repeat the flag or '
+        "separate with commas.",
+    )
     cache_dir: Path = Field(
         default_factory=lambda: Path(DEFAULT_CACHE_DIR).expanduser(),
         description="Folder where pulled models are stored (models/ inside it). Also IZH_CACHE_DIR.",
@@ -211,6 +226,20 @@ class ModelSettings(_Section):
     @classmethod
     def _expand_cache_dir(cls, value: Path) -> Path:
         return value.expanduser()
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _check_lora_modules(cls, value: list[str]) -> list[str]:
+        names = [parse_lora_module(entry)[0] for entry in value]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"LoRA adapter names must be unique; repeated: {', '.join(duplicates)}")
+        return value
+
+    def lora_module_paths(self) -> tuple[tuple[str, str], ...]:
+        """(name, absolute path) of each `lora_modules` entry."""
+        pairs = (parse_lora_module(entry) for entry in self.lora_modules)
+        return tuple((name, str(Path(path).expanduser().resolve())) for name, path in pairs)
 
 
 class EngineSettings(_Section):
@@ -262,6 +291,20 @@ class EngineSettings(_Section):
         "but one when there are more than 2 (the API process streams on the spare core).",
     )
     enforce_eager: bool = Field(default=False, description="Disable CUDA graphs (always eager execution).")
+    enable_lora: bool = Field(
+        default=False,
+        description="Give the model LoRA slots without --lora-modules (for adapters loaded at runtime); "
+        "on whenever model.lora_modules is set or server.allow_runtime_lora_updating is on.",
+    )
+    max_loras: int = Field(
+        default=4,
+        gt=0,
+        description="LoRA adapters resident at once: the running requests use at most this many; more "
+        "can be loaded, the least recently used inactive one leaves its slot.",
+    )
+    max_lora_rank: int = Field(
+        default=16, gt=0, description="The largest LoRA rank (r) an adapter may have (the slots' size)."
+    )
     attention_backend: Annotated[Literal["auto", "torch_paged", "triton_paged"], CaseInsensitive] = Field(
         default="auto",
         description="Attention implementation: auto (triton_paged on CUDA with Triton, else torch_paged), "
@@ -328,6 +371,11 @@ class ServerSettings(_Section):
         default_factory=list, description="CORS origins allowed to call the API; empty = no CORS."
     )
     metrics_require_auth: bool = Field(default=False, description="Require an API key for /metrics as well.")
+    allow_runtime_lora_updating: bool = Field(
+        default=False,
+        description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API keys, "
+        "as every route): load and unload LoRA adapters from local folders at runtime.",
+    )
     web_ui: bool = Field(
         default=True,
         description="Serve the built-in web UI: a chat page at / and a live dashboard at /dashboard (the "
@@ -662,6 +710,10 @@ class IzhSettings(BaseSettings):
             cpu_kernels=engine.cpu_kernels,
             pooling=model.pooling,
             normalize_embeddings=model.normalize_embeddings,
+            lora_modules=model.lora_module_paths(),
+            enable_lora=engine.enable_lora or self.server.allow_runtime_lora_updating,
+            max_loras=engine.max_loras,
+            max_lora_rank=engine.max_lora_rank,
             cache_dir=str(model.cache_dir),
             tensor_parallel_size=engine.tensor_parallel_size,
             dist_init_addr=engine.dist_init_addr,

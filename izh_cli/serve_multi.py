@@ -75,6 +75,13 @@ def check_settings(settings: IzhSettings) -> None:
             "says degraded), and when none is left the server exits 1 for its supervisor to restart it",
             code=EXIT_USAGE,
         )
+    if settings.server.allow_runtime_lora_updating:
+        fail(
+            "server.allow_runtime_lora_updating cannot be combined with --api-server-count > 1 or "
+            "--data-parallel-size > 1: an adapter loaded at runtime would reach one API process and one "
+            "core only. Name the adapters at start with --lora-modules instead",
+            code=EXIT_USAGE,
+        )
     engine = settings.engine
     if engine.data_parallel_size > 1 and (engine.nnodes > 1 or engine.dist_init_addr is not None):
         fail(

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 import izh
-from izh.api import chat, completions, embeddings, models, responses, tokenize
+from izh.api import chat, completions, embeddings, lora, models, responses, tokenize
 from izh.api.errors import HANDLED_EXCEPTIONS, handle_exception
 from izh.api.guard import (
     PUBLIC_PATHS,
@@ -59,6 +59,8 @@ ROUTES: list[tuple[str, Any, list[str]]] = [
     ("/tokenize", tokenize.tokenize, ["POST"]),
     ("/detokenize", tokenize.detokenize, ["POST"]),
     ("/tokenizer_info", tokenize.tokenizer_info, ["GET"]),
+    ("/v1/load_lora_adapter", lora.load_lora_adapter, ["POST"]),
+    ("/v1/unload_lora_adapter", lora.unload_lora_adapter, ["POST"]),
     *OPS_ROUTES,
 ]
 """(path, endpoint, methods) of every route, in the order they are registered."""
@@ -105,6 +107,7 @@ def build_app(
         },
         multiprocess=api_index is not None,
         engine_metrics=api_index is None or api_index == 0,
+        max_loras=engine_ready.max_loras,
     )
     # AsyncLLM reports to every logger in this list; the lifespan takes ours out at shutdown.
     llm.stat_loggers.loggers.append(stat_logger)
@@ -141,6 +144,7 @@ def build_app(
         tool_call_parser=s.tool_call_parser,
         responses_store=ResponseStore(s.responses_store_max),
         limits=limits if limits is not None else LimitSettings(trust_request_chat_template=True),
+        allow_lora_updating=s.allow_runtime_lora_updating,
     )
     app.state.draining = False
     for exc_class in HANDLED_EXCEPTIONS:

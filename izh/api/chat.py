@@ -78,9 +78,9 @@ async def create_chat_completion(request: Request) -> Response:
     state = api_state(request)
     check_serving(request)
     body = await read_json(request, ChatCompletionRequest)
-    check_model(state, body.model)
+    lora_name = check_model(state, body.model)
     request_id = request_id_of(request)
-    chat = await prepare_chat(state, body, request_id, f"chatcmpl-{request_id}")
+    chat = await prepare_chat(state, body, request_id, f"chatcmpl-{request_id}", lora_name=lora_name)
     state.metrics.on_api_request(body.n, "/v1/chat/completions")
     ctx, children = chat.ctx, chat.children
     return await respond(
@@ -109,12 +109,14 @@ async def prepare_chat(
     request_id: str,
     response_id: str,
     prompt_param: str = "messages",
+    lora_name: str | None = None,
 ) -> PreparedChat:
     """Everything before the first byte: the template, tools and constraints, the sampling params and
     the admission of every child (ids `{response_id}-{i}`), each of which can refuse the request.
 
     The chat route's, and the Responses route's on the chat request its body maps to; the input
-    processor names `prompt_param` in its refusals (context length).
+    processor names `prompt_param` in its refusals (context length). `lora_name`: the LoRA adapter the
+    request runs with (from `state.check_model`), also the response's `model`.
     """
     check_can_generate(state)
     check_chat_request(body)
@@ -141,6 +143,8 @@ async def prepare_chat(
         images=images,
     )
     ctx = _context(state, body, prompt.text, response_id)
+    if lora_name is not None:
+        ctx.model = lora_name
     ctx.tool_parser = chat_tool_parser(state, tool_choice, tools_on, prompt)
     ctx.forced_tool_calls = tool_constraint is not None
     ctx.max_tool_calls = 1 if body.parallel_tool_calls is False else None
@@ -162,6 +166,7 @@ async def prepare_chat(
         priority=body.priority,
         cache_salt=body.cache_salt,
         images=prompt.images,
+        lora_name=lora_name,
     )
     _log_admitted(request_id, prompt, len(children), constraint, ctx)
     return PreparedChat(ctx, prompt, children)

@@ -76,7 +76,7 @@ async def create_completion(request: Request) -> Response:
     state = api_state(request)
     check_serving(request)
     body = await read_json(request, CompletionRequest)
-    check_model(state, body.model)
+    lora_name = check_model(state, body.model)
     check_can_generate(state)
     check_completion_request(body)
     constraint = single_constraint(requested_constraints(body))
@@ -94,7 +94,7 @@ async def create_completion(request: Request) -> Response:
     ctx = CompletionContext(
         id=f"cmpl-{request_id}",
         created=int(time.time()),
-        model=state.model_name,
+        model=lora_name or state.model_name,
         prompts=prompts,
         echo=body.echo,
         logprobs=body.logprobs,
@@ -112,6 +112,7 @@ async def create_completion(request: Request) -> Response:
         prompt_params=["prompt"] if len(prompts) == 1 else [f"prompt.{i}" for i in range(len(prompts))],
         priority=body.priority,
         cache_salt=body.cache_salt,
+        lora_name=lora_name,
     )
     if body.echo:
         await decode_echoes(llm.tokenizer, prompts)

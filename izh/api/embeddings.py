@@ -88,7 +88,11 @@ def _check_token_limit(token_ids: list[list[int]]) -> None:
 
 
 async def _admit(
-    state: ApiState, base_id: str, token_ids: list[list[int]], pooling: PoolingParams
+    state: ApiState,
+    base_id: str,
+    token_ids: list[list[int]],
+    pooling: PoolingParams,
+    lora_name: str | None,
 ) -> list[Child]:
     """One prompt-only request per input, all or none (the admitted ones are aborted on a refusal)."""
     children: list[Child] = []
@@ -102,6 +106,7 @@ async def _admit(
                 deadline_s=state.default_request_timeout_s,
                 prompt_param=_input_param(i, len(token_ids)),
                 pooling_params=pooling,
+                lora_name=lora_name,
             )
             children.append(Child(i, i, 0, stream))
     except BaseException:
@@ -147,7 +152,7 @@ async def create_embedding(request: Request) -> Response:
     state = api_state(request)
     check_serving(request)
     body = await read_json(request, EmbeddingRequest)
-    check_model(state, body.model)
+    lora_name = check_model(state, body.model)
     _check_body(body)
     llm = state.llm
     ready = llm.ready
@@ -158,10 +163,12 @@ async def create_embedding(request: Request) -> Response:
         pooling_type=ready.pooling_type, normalize=ready.normalize_embeddings, dimensions=body.dimensions
     )
     request_id = request_id_of(request)
-    children = await _admit(state, f"embd-{request_id}", token_ids, pooling)
+    children = await _admit(state, f"embd-{request_id}", token_ids, pooling, lora_name)
     state.metrics.count_request("/v1/embeddings")
     logger.debug("[%s] embeddings: %d inputs", request_id, len(children))
-    collect = _collect(children, token_ids, body.encoding_format, f"embd-{request_id}", state.model_name)
+    collect = _collect(
+        children, token_ids, body.encoding_format, f"embd-{request_id}", lora_name or state.model_name
+    )
     try:
         result = await until_disconnected(request, collect)
     finally:

@@ -63,6 +63,7 @@ async def admit(
     priority: int,
     cache_salt: str | None,
     images: list[ImageInput] | None = None,
+    lora_name: str | None = None,
 ) -> list[Child]:
     """Add every child request (ids `{base_id}-{i}`) before anything is streamed.
 
@@ -92,6 +93,7 @@ async def admit(
                     child_params(prompt_sampling, sample_index),
                     priority=priority,
                     cache_salt=cache_salt,
+                    lora_name=lora_name,
                     deadline_s=state.default_request_timeout_s,
                     prompt_param=field,
                     images=images,

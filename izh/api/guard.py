@@ -36,8 +36,10 @@ from izh.api.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoraAdapterRequest,
     ParsedBody,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 from izh.api.ratelimit import (
     ANONYMOUS_KEY_ID,
@@ -68,6 +70,8 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/embeddings": EmbeddingRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/load_lora_adapter": LoadLoraAdapterRequest,
+    "/v1/unload_lora_adapter": UnloadLoraAdapterRequest,
 }
 """The POST routes with a JSON body (bounded by the middleware, described in the OpenAPI schema)."""
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16

@@ -16,6 +16,7 @@ core's index (`engine`).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,7 @@ class PrometheusStatLogger:
         engine_index: int = 0,
         multiprocess: bool = False,
         engine_metrics: bool = True,
+        max_loras: int = 0,
     ) -> None:
         """`multiprocess`: render every API process's values (prometheus-client's multiprocess
         mode, set up by the supervisor); `engine_metrics`: record the cores' scheduler stats (one
@@ -94,6 +96,7 @@ class PrometheusStatLogger:
         self.multiprocess = multiprocess
         self.engine_metrics = engine_metrics
         self._model_name = model_name
+        self.max_loras = max_loras
         self._labels = (model_name, str(engine_index))
         self._last_token_time: dict[str, float] = {}
         self._last_cumulative: dict[tuple[int, str], int] = {}
@@ -102,6 +105,7 @@ class PrometheusStatLogger:
         self._make_request_metrics(max_model_len)
         self._make_scheduler_metrics()
         self._make_info(cache_config or {})
+        self._make_lora_metrics()
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -263,6 +267,40 @@ class PrometheusStatLogger:
             self._engines[index] = metrics
         return metrics
 
+    def _make_lora_metrics(self) -> None:
+        """vLLM's lora_requests_info (with LoRA on), and izh's own per-adapter request and token counts."""
+        self.lora_requests_info: Gauge | None = None
+        if self.max_loras:
+            # vLLM's: one series, its labels the adapters of the running and waiting requests
+            # (comma-separated), its value the time of the latest update.
+            self.lora_requests_info = Gauge(
+                "izh:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=self.registry,
+                multiprocess_mode="mostrecent",
+            )
+            self.lora_requests_info.labels(str(self.max_loras), "", "").set(time.time())
+        self.lora_requests = Counter(
+            "izh:lora_requests",
+            "Count of finished requests by LoRA adapter (lora_name) and finish reason.",
+            [*LABELS, "lora_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.lora_prompt_tokens = Counter(
+            "izh:lora_prompt_tokens",
+            "Prompt tokens of finished requests, by LoRA adapter.",
+            [*LABELS, "lora_name"],
+            registry=self.registry,
+        )
+        self.lora_generation_tokens = Counter(
+            "izh:lora_generation_tokens",
+            "Generated tokens of finished requests, by LoRA adapter.",
+            [*LABELS, "lora_name"],
+            registry=self.registry,
+        )
+        self._lora_info_labels = (str(self.max_loras), "", "")
+
     def _make_info(self, cache_config: dict[str, str]) -> None:
         names = sorted(cache_config)
         info = self._gauge_family(
@@ -302,6 +340,10 @@ class PrometheusStatLogger:
         self._last_token_time.pop(m.request_id, None)
         reason = m.finish_reason if m.finish_reason in self.request_success else "error"
         self.request_success[reason].inc()
+        if m.lora_name is not None:
+            self.lora_requests.labels(*self._labels, m.lora_name, reason).inc()
+            self.lora_prompt_tokens.labels(*self._labels, m.lora_name).inc(m.num_prompt_tokens)
+            self.lora_generation_tokens.labels(*self._labels, m.lora_name).inc(m.num_generation_tokens)
         if m.max_tokens is not None:
             self.request_params_max_tokens.observe(m.max_tokens)
         # A prompt scored with max_tokens 0 finishes "length" once its prefill is done, with no token.
@@ -355,6 +397,16 @@ class PrometheusStatLogger:
         self._advance(index, "num_preemptions", s.num_preemptions, m.num_preemptions)
         for num_tokens in s.iteration_tokens:
             m.iteration_tokens.observe(num_tokens)
+        if self.lora_requests_info is not None:
+            labels = (
+                str(self.max_loras),
+                ",".join(s.waiting_lora_adapters),
+                ",".join(s.running_lora_adapters),
+            )
+            if labels != self._lora_info_labels:
+                self.lora_requests_info.remove(*self._lora_info_labels)
+                self._lora_info_labels = labels
+            self.lora_requests_info.labels(*labels).set(time.time())
 
     def _advance(self, index: int, key: str, cumulative: int, counter: Any) -> None:
         last = self._last_cumulative.get((index, key), 0)

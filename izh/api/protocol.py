@@ -463,7 +463,26 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "izh"
     root: str | None = None
+    parent: str | None = None
+    """For a LoRA adapter: the base model's id (vLLM's field)."""
     max_model_len: int | None = None
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's body, without its unused lora_int_id)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256)
 
 
 class ModelList(BaseModel):

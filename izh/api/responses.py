@@ -344,7 +344,7 @@ async def create_response(request: Request) -> Response:
     state = api_state(request)
     check_serving(request)
     body = await read_json(request, ResponsesRequest)
-    check_model(state, body.model)
+    lora_name = check_model(state, body.model)
     check_responses_request(body)
     conversation: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
@@ -368,7 +368,7 @@ async def create_response(request: Request) -> Response:
         status="in_progress",
         instructions=body.instructions,
         max_output_tokens=body.max_output_tokens,
-        model=state.model_name,
+        model=lora_name or state.model_name,
         parallel_tool_calls=body.parallel_tool_calls is not False,
         previous_response_id=body.previous_response_id,
         store=body.store,
@@ -385,7 +385,9 @@ async def create_response(request: Request) -> Response:
     )
     # Admitted last: nothing after it can refuse the request and leave its engine request behind.
     try:
-        chat = await prepare_chat(state, chat_body, request_id, response_id, prompt_param="input")
+        chat = await prepare_chat(
+            state, chat_body, request_id, response_id, prompt_param="input", lora_name=lora_name
+        )
     except InvalidRequest as exc:
         image_param = _image_part_param(
             exc.param, messages, len(conversation) - len(input_items), conversation

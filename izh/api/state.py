@@ -48,6 +48,8 @@ class ApiState:
     """The stored responses of /v1/responses (`store: true`), bounded by server.responses_store_max."""
     limits: LimitSettings = field(default_factory=LimitSettings)
     """The `[limits]` section (the image limits are read by the routes; the rest by the guard)."""
+    allow_lora_updating: bool = False
+    """server.allow_runtime_lora_updating: /v1/load_lora_adapter and /v1/unload_lora_adapter serve."""
 
 
 def api_state(request: Request) -> ApiState:
@@ -66,10 +68,14 @@ def json_response(body: BaseModel, status_code: int = 200) -> Response:
     return Response(body.model_dump_json(), status_code=status_code, media_type="application/json")
 
 
-def check_model(state: ApiState, model: str | None) -> None:
-    """A request may omit the model; naming another one is a 404 model_not_found."""
-    if model and model != state.model_name:
-        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+def check_model(state: ApiState, model: str | None) -> str | None:
+    """The LoRA adapter a request names in `model` (None: it omits the model or names the base one); any
+    other name is a 404 model_not_found."""
+    if not model or model == state.model_name:
+        return None
+    if model in state.llm.lora_adapters:
+        return model
+    raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
 
 
 def check_can_generate(state: ApiState) -> None:

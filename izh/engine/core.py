@@ -10,10 +10,11 @@ from typing import Any
 from izh.config import CUDA_BATCHED_TOKENS, EngineConfig, default_batched_tokens
 from izh.engine.guided import GrammarManager
 from izh.engine.kv_cache import KVCacheManager
+from izh.engine.lora_manager import LoraManager
 from izh.engine.model_runner import ModelRunner
 from izh.engine.request import Request, RequestStatus
 from izh.engine.scheduler import Scheduler, SchedulerOutput
-from izh.errors import IzhError
+from izh.errors import IzhError, LoraAdapterError
 from izh.protocol import AddRequest, EngineOutput, SchedulerStats, TokenLogprobs
 from izh.tokenizer import load_tokenizer
 
@@ -66,7 +67,10 @@ class EngineCore:
             policy=config.scheduling_policy,
             block_size=self.block_size,
             is_ready=self._grammar_ready,
+            max_loras=config.max_loras if self.runner.lora is not None else 0,
         )
+        for name, path in config.lora_modules:
+            self._lora().add(name, path)
         self._requests: dict[str, Request] = {}
         self._num_sent: dict[str, int] = {}
         """How many output tokens of each request were already reported."""
@@ -90,6 +94,15 @@ class EngineCore:
         any state (its ids would index the embedding table), so that it fails alone.
         """
         self._check_valid(req)
+        lora_id = self._lora().acquire(req.lora_name) if req.lora_name is not None else 0
+        try:
+            self._add_request(req, lora_id)
+        except BaseException:
+            if lora_id:
+                self._lora().release(lora_id)
+            raise
+
+    def _add_request(self, req: AddRequest, lora_id: int) -> None:
         params = req.sampling_params
         # bad_words become token sequences here, once, where the tokenizer is (the sampler bans them).
         params = params.with_bad_words_token_ids(
@@ -105,6 +118,8 @@ class EngineCore:
             cache_salt=req.cache_salt,
             pooling_params=req.pooling_params,
             images=req.images,
+            lora_name=req.lora_name,
+            lora_id=lora_id,
         )
         if params.structured_outputs is not None:
             self._grammar_manager().add_request(req.request_id, params.structured_outputs)
@@ -291,7 +306,9 @@ class EngineCore:
         self.runner.remove_requests([request_id])
         if self._grammar is not None:
             self._grammar.remove(request_id)
-        self._requests.pop(request_id, None)
+        request = self._requests.pop(request_id, None)
+        if request is not None and request.lora_id:
+            self._lora().release(request.lora_id)
         self._num_sent.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
         self._embeddings.pop(request_id, None)
@@ -311,6 +328,43 @@ class EngineCore:
             "matryoshka_dimensions": pooling.matryoshka_dimensions,
         }
 
+    def _lora(self) -> LoraManager:
+        lora = self.runner.lora
+        if lora is None:
+            raise LoraAdapterError(
+                "LoRA is off in this server: start it with --lora-modules or --enable-lora", param="model"
+            )
+        return lora
+
+    def lora_info(self) -> dict[str, Any]:
+        """Ready's LoRA fields: the adapters loaded at start and the slot limits (max_loras 0: off)."""
+        lora = self.runner.lora
+        if lora is None:
+            return {}
+        return {
+            "lora_adapters": [(a.name, a.path) for a in lora.loaded()],
+            "max_loras": lora.max_loras,
+            "max_lora_rank": lora.max_lora_rank,
+        }
+
+    def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Register the PEFT adapter at `path` as `name`: {"name", "path", "rank"}, or for a refusal
+        {"error", "status", "code"} (a bad folder, a rank above max_lora_rank, a name in use: 400s)."""
+        try:
+            loaded = self._lora().add(name, path)
+        except IzhError as exc:
+            return {"error": exc.message, "status": exc.status_code, "code": exc.code, "param": exc.param}
+        return {"name": loaded.name, "path": loaded.path, "rank": loaded.rank}
+
+    def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        """Unregister `name` ({} or {"error", "status", "code"}; 404 when it is not loaded). Requests
+        already running on it finish with it."""
+        try:
+            self._lora().remove(name)
+        except IzhError as exc:
+            return {"error": exc.message, "status": exc.status_code, "code": exc.code, "param": exc.param}
+        return {}
+
     def make_stats(self) -> SchedulerStats:
         s = self.scheduler.make_stats()
         iteration_tokens, self._iteration_tokens = self._iteration_tokens, []
@@ -326,6 +380,9 @@ class EngineCore:
             num_prompt_tokens=s["num_prompt_tokens"],
             num_generation_tokens=s["num_generation_tokens"],
             iteration_tokens=iteration_tokens,
+            running_lora_adapters=s["running_lora_adapters"],
+            waiting_lora_adapters=s["waiting_lora_adapters"],
+            max_loras=self.scheduler.max_loras,
         )
 
     def reset_prefix_cache(self) -> bool:

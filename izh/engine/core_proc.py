@@ -88,6 +88,9 @@ class EngineCoreLike(Protocol):
     def reset_prefix_cache(self) -> bool: ...
     def kv_block_states(self) -> list[int]: ...
     def embedding_info(self) -> dict[str, Any]: ...
+    def lora_info(self) -> dict[str, Any]: ...
+    def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]: ...
+    def unload_lora_adapter(self, name: str) -> dict[str, Any]: ...
     def shutdown(self) -> None: ...
 
 
@@ -178,6 +181,7 @@ def _build_core(
         device=core.device,
         dtype=core.dtype,
         **core.embedding_info(),
+        **core.lora_info(),
     )
     send(ready)
     logger.info(
@@ -475,7 +479,16 @@ class EngineCoreProc:
             return reset
         if method == "kv_block_states":
             return self.core.kv_block_states()
-        raise ValueError(f"unknown utility method {method!r} (ping, reset_prefix_cache, kv_block_states)")
+        if method == "load_lora_adapter":
+            name, path = args
+            return self.core.load_lora_adapter(str(name), str(path))
+        if method == "unload_lora_adapter":
+            (name,) = args
+            return self.core.unload_lora_adapter(str(name))
+        raise ValueError(
+            f"unknown utility method {method!r} (ping, reset_prefix_cache, kv_block_states, "
+            "load_lora_adapter, unload_lora_adapter)"
+        )
 
     # --- I/O threads ----------------------------------------------------------------------------
 

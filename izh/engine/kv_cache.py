@@ -67,7 +67,7 @@ def hash_block_tokens(
 def update_block_hashes(request: Request, block_size: int) -> None:
     """Extend `request.block_hashes` to cover every full block of its known tokens.
 
-    Only blocks that became full since the last call are hashed. The extra keys (LoRA name, cache salt)
+    Only blocks that became full since the last call are hashed. The extra keys (LoRA adapter, cache salt)
     go into the first block only: every later hash chains from it, so they carry the salt too. A block
     that overlaps an image's placeholders also mixes in that image's content hash (the placeholder token
     ids are the same for every image), so the same image hits and another one misses from there on.
@@ -81,7 +81,7 @@ def update_block_hashes(request: Request, block_size: int) -> None:
     for index in range(len(hashes), num_full_blocks):
         parent = hashes[-1] if hashes else None
         extra_keys: tuple[str | None, ...] | None = (
-            None if parent is not None else (request.lora_name, request.cache_salt)
+            None if parent is not None else (request.lora_key, request.cache_salt)
         )
         start = index * block_size
         if images:

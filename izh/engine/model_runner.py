@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 
-from izh.config import EngineConfig
+from izh.config import EngineConfig, lora_enabled
 from izh.engine.guided import GrammarManager, apply_bitmask
+from izh.engine.lora_manager import LoraManager
 from izh.engine.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator, to_device
 from izh.engine.scheduler import ScheduledRequest, SchedulerOutput
 from izh.errors import ModelLoadError
@@ -211,6 +212,24 @@ class ModelRunner:
             assert stack is not None
             limit = "any number of" if stack.max_tokens >= RECORDS_ANY_ROWS else f"<= {stack.max_tokens}"
             logger.info("decode steps of %s tokens run the fused C decoder stack", limit)
+        self.lora: LoraManager | None = None
+        """The LoRA adapters (when the config enables LoRA): attached before the CUDA graphs are captured,
+        which then run base-only steps (a step with adapter tokens runs eagerly)."""
+        if lora_enabled(config):
+            if self.is_encoder:
+                raise ModelLoadError("LoRA adapters are served on decoder (generative) models only")
+            if self.model_config.vision is not None:
+                raise ModelLoadError(
+                    "LoRA adapters are served on text-only decoders; this vision-language model takes none "
+                    "(serve it without --lora-modules / engine.enable_lora)"
+                )
+            if self.tp_runtime is not None:
+                raise ModelLoadError(
+                    "LoRA adapters are not split across tensor-parallel ranks: serve adapters with "
+                    "--tensor-parallel-size 1"
+                )
+            lora_model = self.model.attach_lora(config.max_loras, config.max_lora_rank)
+            self.lora = LoraManager(lora_model, self.model_config)
         self.graph_runner = self._make_graph_runner()
         # Unseeded sampling draws from the engine's own generator, seeded by the engine seed setting.
         self.sampler = Sampler(make_generator(config.seed, self.device))
@@ -437,6 +456,17 @@ class ModelRunner:
         scheduled = sched.scheduled
         if not scheduled:
             return RunnerOutput()
+        # A step with LoRA tokens: adapters in their slots, the batch ordered by slot (izh.engine.lora_manager).
+        lora_order = self.lora.prepare(scheduled, sched.running_lora_ids) if self.lora is not None else None
+        try:
+            return self._execute(lora_order or scheduled, grammar, lora_step=lora_order is not None)
+        finally:
+            if self.lora is not None:
+                self.lora.finish()
+
+    def _execute(
+        self, scheduled: list[ScheduledRequest], grammar: GrammarManager | None, *, lora_step: bool
+    ) -> RunnerOutput:
         input_ids, positions, attn_metadata = self._prepare_inputs(scheduled)
         sample_rows, prompt_rows, pool_rows = self._select_rows(scheduled, attn_metadata)
         logits_rows = [i for _, i in sample_rows]
@@ -460,7 +490,7 @@ class ModelRunner:
                 )
         elif inputs_embeds is not None:
             hidden = self.model(input_ids, positions, attn_metadata, inputs_embeds)
-        elif self.graph_runner is not None and self.graph_runner.can_run(attn_metadata):
+        elif not lora_step and self.graph_runner is not None and self.graph_runner.can_run(attn_metadata):
             hidden = self.graph_runner.run(input_ids, positions, attn_metadata)
         else:
             hidden = self.model(input_ids, positions, attn_metadata)  # [num_tokens, hidden_size]

@@ -65,6 +65,9 @@ class Request:
     cache_salt: str | None = None
     """Isolates this request's prefix-cache entries from other tenants'."""
     lora_name: str | None = None
+    """The LoRA adapter this request runs with (None: the base model)."""
+    lora_id: int = 0
+    """That adapter's registration id in the core (izh.engine.lora_manager); 0 for the base model."""
     pooling_params: PoolingParams | None = None
     """Set for an embedding request (prompt-only): pooled after its prompt is computed, in one step."""
     images: list[ImageInput] | None = None
@@ -119,6 +122,12 @@ class Request:
         """max_tokens 0: the request computes its prompt (for its prompt logprobs, or to fill the
         prefix cache) and finishes with "length" without sampling a single token."""
         return self._max_tokens == 0
+
+    @property
+    def lora_key(self) -> str | None:
+        """The adapter as the prefix cache keys it: name and registration id (a name loaded again with
+        other weights must not hit the old adapter's blocks); None for the base model."""
+        return None if self.lora_name is None else f"{self.lora_name}#{self.lora_id}"
 
     @property
     def is_finished(self) -> bool:

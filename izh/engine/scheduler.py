@@ -11,6 +11,10 @@ computed, pooled and finished in one step (mean pooling needs every token's hidd
 an encoder must see its whole input). It waits while the step's budget left is too small, unless it is
 the first waiting request admitted in the step: then the step runs over its budget by what it needs
 (at most max_model_len tokens), so a prompt longer than the budget is never starved.
+
+With LoRA (`max_loras` > 0), the running requests use at most `max_loras` distinct adapters, as many as
+the model holds at once (izh.engine.lora_manager): a waiting request on another adapter waits at the
+head of the queue until one of those adapters has no running request left.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class SchedulerStatsDict(TypedDict):
     num_prompt_tokens: int
     num_generation_tokens: int
     num_scheduled_tokens_last_step: int
+    running_lora_adapters: list[str]
+    waiting_lora_adapters: list[str]
 
 
 @dataclass(slots=True)
@@ -72,6 +78,8 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     """Requests finished or aborted since the previous schedule(): their per-request state can go."""
+    running_lora_ids: set[int] = field(default_factory=set)
+    """The LoRA adapters of every running request after this schedule (their slots must stay)."""
 
 
 class _WaitingQueue:
@@ -137,6 +145,7 @@ class Scheduler:
         policy: str = "fcfs",
         block_size: int | None = None,
         is_ready: Callable[[Request], bool] | None = None,
+        max_loras: int = 0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; supported: {', '.join(POLICIES)}")
@@ -161,6 +170,8 @@ class Scheduler:
         self.policy = policy
         self.is_ready = is_ready
         """Whether a waiting request may start (False while its grammar still compiles)."""
+        self.max_loras = max_loras
+        """The most distinct LoRA adapters the running requests may use (0: no LoRA)."""
         self.requests: dict[str, Request] = {}
         """Every unfinished request by id."""
         self.running: list[Request] = []
@@ -243,6 +254,8 @@ class Scheduler:
         if not output.preempted_request_ids:
             budget = self._schedule_waiting(output, budget)
         output.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        if self.max_loras:
+            output.running_lora_ids = self.running_lora_ids()
         output.finished_request_ids = self._finished_request_ids
         self._finished_request_ids = []
         self.num_steps += 1
@@ -279,6 +292,8 @@ class Scheduler:
             request = self.waiting.peek()
             if self.is_ready is not None and not self.is_ready(request):
                 break  # head of line keeps its place; the running requests go on meanwhile
+            if request.lora_id and not self._lora_fits(request.lora_id):
+                break  # its adapter needs a slot that running requests' adapters all hold
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
             if request.is_pooling:
@@ -299,6 +314,15 @@ class Scheduler:
             budget -= num_new_tokens
             admitted = True
         return budget
+
+    def _lora_fits(self, lora_id: int) -> bool:
+        """Admitting a request on adapter `lora_id` keeps the running adapters within max_loras."""
+        running = self.running_lora_ids()
+        return lora_id in running or len(running) < self.max_loras
+
+    def running_lora_ids(self) -> set[int]:
+        """The distinct adapters (ids) of the running requests."""
+        return {r.lora_id for r in self.running if r.lora_id}
 
     def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new_tokens: int) -> None:
         num_computed = request.num_computed_tokens
@@ -413,6 +437,8 @@ class Scheduler:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
             "num_scheduled_tokens_last_step": self.num_scheduled_tokens_last_step,
+            "running_lora_adapters": sorted({r.lora_name for r in self.running if r.lora_name}),
+            "waiting_lora_adapters": sorted({r.lora_name for r in self.waiting if r.lora_name}),
         }
 
     def check_invariants(self) -> None:

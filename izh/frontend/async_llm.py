@@ -28,6 +28,8 @@ from izh.errors import (
     EngineDead,
     InvalidRequest,
     IzhError,
+    LoraAdapterError,
+    ModelNotFound,
     Overloaded,
 )
 from izh.frontend.client import EngineCoreClient
@@ -268,6 +270,9 @@ class AsyncLLM:
         self.restart_dead_core = restart_dead_core
         self._client_options = dict(client_options or {})
         """EngineCoreClient.start's keyword arguments, to start a replacement core alike."""
+        self.lora_adapters: dict[str, str] = {}
+        """The LoRA adapters requests may name in `model`: name -> path (the core's, kept in step by
+        `load_lora_adapter` / `unload_lora_adapter`; set from Ready at start)."""
         self._restart_task: asyncio.Task[None] | None = None
         self._restart_error: str | None = None
         self.num_core_restarts = 0
@@ -335,6 +340,8 @@ class AsyncLLM:
             client_options=client_options,
         )
         llm._client = client
+        if client.ready is not None:
+            llm.lora_adapters = dict(client.ready.lora_adapters)
         if client.is_dead:  # it died between Ready and now, before `llm` could hear of it
             llm._on_dead(client.dead_reason or "unknown")
         return llm
@@ -408,6 +415,7 @@ class AsyncLLM:
         prompt_param: str = "prompt",
         pooling_params: PoolingParams | None = None,
         images: list[ImageInput] | None = None,
+        lora_name: str | None = None,
     ) -> RequestStream:
         """Validate, admit and send one request (n == 1); returns its output stream.
 
@@ -421,8 +429,11 @@ class AsyncLLM:
 
         `pooling_params` makes it an embedding request (params with max_tokens 0): its finished
         output carries the vector in `embedding`. `images` are a VLM's preprocessed images, placed in
-        the prompt by `image_processor` (izh.frontend.image_processor.ImagePrompt).
+        the prompt by `image_processor` (izh.frontend.image_processor.ImagePrompt). `lora_name` runs it
+        with that LoRA adapter (one of `lora_adapters`; another name is a 404 naming `model`).
         """
+        if lora_name is not None and lora_name not in self.lora_adapters:
+            raise ModelNotFound(f"The model `{lora_name}` does not exist.", param="model")
         if images and self.image_processor is None:
             raise InvalidRequest(f"this model ({self.model_name}) takes no images", param=prompt_param)
         if not images and self.image_processor is not None:
@@ -436,6 +447,7 @@ class AsyncLLM:
         self._check_admission()
         now = time.monotonic()
         state = self._processor.make_request_state(request_id, prompt_token_ids, params, arrival_time=now)
+        state.metrics.lora_name = lora_name
         stream = RequestStream(request_id, state, self, scope)
         self.client.send(
             AddRequest(
@@ -447,6 +459,7 @@ class AsyncLLM:
                 cache_salt=combined_cache_salt(scope.cache_salt if scope else None, cache_salt),
                 pooling_params=pooling_params,
                 images=images or None,
+                lora_name=lora_name,
             )
         )
         if scope is not None:
@@ -472,6 +485,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         deadline_s: float | None = None,
         prompt_param: str = "prompt",
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """add_request, then yield its outputs; closing or cancelling the generator aborts it."""
         stream = await self.add_request(
@@ -482,6 +496,7 @@ class AsyncLLM:
             cache_salt=cache_salt,
             deadline_s=deadline_s,
             prompt_param=prompt_param,
+            lora_name=lora_name,
         )
         async with stream:
             async for out in stream:
@@ -675,6 +690,10 @@ class AsyncLLM:
             return
         finally:
             self._restart_task = None
+        try:
+            await self._resync_lora_adapters()
+        except Exception as exc:  # the new core serves the base model and its start-up adapters anyway
+            logger.error("LoRA adapters not restored after the restart: %s", exc)
         self.num_core_restarts += 1
         logger.info("engine core restarted (%d restarts so far)", self.num_core_restarts)
 
@@ -718,6 +737,49 @@ class AsyncLLM:
         """The core's per-block states (for debugging and tests)."""
         return list(await self.client.call_utility("kv_block_states"))
 
+    async def load_lora_adapter(self, name: str, path: str) -> str:
+        """Load the PEFT LoRA adapter at `path` (a folder on the core's machine) as `name`; returns its
+        resolved path. LoraAdapterError (400) when the name is taken or the folder cannot be served
+        (the message says why), e.g. a rank above max_lora_rank."""
+        if name == self.model_name:
+            raise LoraAdapterError(f"{name!r} is the base model's name", param="lora_name")
+        if name in self.lora_adapters:
+            raise LoraAdapterError(f"a LoRA adapter named {name!r} is already loaded", param="lora_name")
+        result = await self.client.call_utility(
+            "load_lora_adapter", name, path, timeout_s=LORA_LOAD_TIMEOUT_S
+        )
+        _raise_lora_error(result)
+        self.lora_adapters[name] = str(result["path"])
+        return self.lora_adapters[name]
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Unload the LoRA adapter `name` (ModelNotFound when it is not loaded). Requests already running
+        on it finish with it; new ones naming it get a 404."""
+        if name not in self.lora_adapters:
+            raise ModelNotFound(f"the LoRA adapter {name!r} is not loaded", param="lora_name")
+        result = await self.client.call_utility("unload_lora_adapter", name)
+        self.lora_adapters.pop(name, None)
+        _raise_lora_error(result)
+
+    async def _resync_lora_adapters(self) -> None:
+        """After a core restart: the new core has the start-up adapters; load what was loaded at runtime
+        and unload what was unloaded (an adapter that fails to load again is dropped, and logged)."""
+        ready = self.client.ready
+        if ready is None:
+            return
+        loaded = dict(ready.lora_adapters)
+        for name in [n for n in loaded if n not in self.lora_adapters]:
+            await self.client.call_utility("unload_lora_adapter", name)
+        for name, path in list(self.lora_adapters.items()):
+            if name in loaded:
+                continue
+            result = await self.client.call_utility(
+                "load_lora_adapter", name, path, timeout_s=LORA_LOAD_TIMEOUT_S
+            )
+            if "error" in result:
+                logger.error("LoRA adapter %s could not be loaded again: %s", name, result["error"])
+                del self.lora_adapters[name]
+
     async def shutdown(self, drain_timeout_s: float = 0, *, core_timeout_s: float = 5.0) -> None:
         """Stop admitting; let in-flight requests finish for up to `drain_timeout_s`; fail the rest
         with EngineDead; stop the core (given `core_timeout_s` to exit by itself; 0 kills it at
@@ -739,6 +801,18 @@ class AsyncLLM:
         self._fail_all(EngineDead("the server shut down before the request finished"))
         if self._client is not None:
             await self._client.shutdown(core_timeout_s)
+
+
+LORA_LOAD_TIMEOUT_S = 300.0
+"""How long loading an adapter in the core may take (reading its safetensors file)."""
+
+
+def _raise_lora_error(result: dict[str, Any]) -> None:
+    """The core's refusal of a LoRA load or unload ({"error", "status", "code", "param"}) as its IzhError."""
+    if "error" not in result:
+        return
+    cls = ModelNotFound if result.get("status") == 404 else LoraAdapterError
+    raise cls(str(result["error"]), param=result.get("param"), code=result.get("code"))
 
 
 def _check_prompt_limit(prompt_token_ids: list[int], max_prompt_tokens: int | None) -> None:

@@ -35,6 +35,8 @@ class RequestMetrics:
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    lora_name: str | None = None
+    """The LoRA adapter the request ran with (None: the base model)."""
 
 
 @runtime_checkable

@@ -27,6 +27,7 @@ from izh.model.layers import (
     VocabEmbedding,
     apply_rotary_,
 )
+from izh.model.lora import LoraModel
 from izh.model.packed import PackedWeight
 
 
@@ -168,6 +169,9 @@ class LlamaForCausalLM(nn.Module):
         self.paged_backend: AttentionBackend = PagedTorchAttentionBackend()
         self.fused_stack: FusedDecodeStack | None = None
         """Small decode steps in one C call (`prepare_fused_decode`); None runs the modules."""
+        self.lora: LoraModel | None = None
+        """Resident LoRA adapters (izh.model.lora, attached by the engine); a step with adapter tokens
+        runs the modules, whose linears' hooks add the deltas."""
         self._kv_caches_bound = False
 
     @staticmethod
@@ -188,7 +192,8 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.rotary_emb(positions)  # [num_tokens, head_dim], shared by every layer
         backend = self.paged_backend if self._kv_caches_bound else self.reference_backend
         stack = self.fused_stack
-        if stack is not None and stack.applies(input_ids, attn_metadata, backend):
+        lora_step = self.lora is not None and self.lora.active
+        if stack is not None and not lora_step and stack.applies(input_ids, attn_metadata, backend):
             embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
             return stack.run(embeds, cos_sin, attn_metadata)
         return self.model(input_ids, cos_sin, attn_metadata, backend, inputs_embeds)
@@ -211,6 +216,11 @@ class LlamaForCausalLM(nn.Module):
             )
         self.fused_stack = FusedDecodeStack.build(self.config, self.dtype, layers, self.model.norm.weight)
         return self.fused_stack is not None
+
+    def attach_lora(self, num_slots: int, max_rank: int) -> LoraModel:
+        """Give every decoder layer's linears `num_slots` LoRA slots of rank <= `max_rank` (empty)."""
+        self.lora = LoraModel(list(self.model.layers), num_slots, max_rank)
+        return self.lora
 
     def compute_logits(self, hidden_states: Tensor, out: Tensor | None = None) -> Tensor:
         """float32 logits [n, vocab_size] for hidden states [n, hidden_size].

@@ -210,6 +210,15 @@ class FakeEngineCore:
     def embedding_info(self) -> dict[str, Any]:
         return {}  # Ready's defaults: a decoder that generates
 
+    def lora_info(self) -> dict[str, Any]:
+        return {}  # Ready's defaults: LoRA off
+
+    def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        return {"error": "LoRA is off in this server", "status": 400, "code": "invalid_lora_adapter"}
+
+    def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        return {"error": f"the LoRA adapter {name!r} is not loaded", "status": 404, "code": "model_not_found"}
+
     def kv_block_states(self) -> list[int]:
         """One "block" per running request (so a test can see an abort free it)."""
         return [1] * len(self._running) + [0] * (self.num_blocks - len(self._running))

@@ -366,6 +366,10 @@ def test_to_engine_config_maps_every_field() -> None:
         "engine.nnodes": 2,
         "engine.node_rank": 1,
         "engine.dist_timeout_s": 30.0,
+        "model.lora_modules": ["a=/adapters/a"],
+        "engine.enable_lora": True,
+        "engine.max_loras": 2,
+        "engine.max_lora_rank": 8,
     }
     config = load_settings(overrides=overrides, env={}).to_engine_config("/models/x.gguf")
     assert config == EngineConfig(
@@ -389,6 +393,10 @@ def test_to_engine_config_maps_every_field() -> None:
         cpu_kernels="generic",
         pooling="mean",
         normalize_embeddings=False,
+        lora_modules=(("a", "/adapters/a"),),
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
         cache_dir="/cache",
         tensor_parallel_size=4,
         dist_init_addr="10.0.0.1:29500",
@@ -525,3 +533,28 @@ def test_reliability_settings_defaults() -> None:
     assert limits.trust_request_chat_template is False and limits.max_json_depth == 64
     with pytest.raises(SettingsError, match=r"limits\.max_top_logprobs"):
         load_settings(overrides={"limits.max_top_logprobs": 21}, env={})
+
+
+def test_lora_settings_reach_the_engine_config(tmp_path: Path) -> None:
+    config = write_toml(
+        tmp_path,
+        """
+        [model]
+        lora_modules = ["sql=adapters/sql", "chat = /abs/chat"]
+        [engine]
+        max_loras = 2
+        max_lora_rank = 64
+        """,
+    )
+    settings = load_settings(config_file=config, env={})
+    engine = settings.to_engine_config("/m")
+    assert engine.lora_modules == (("sql", str(Path("adapters/sql").resolve())), ("chat", "/abs/chat"))
+    assert (engine.max_loras, engine.max_lora_rank, engine.enable_lora) == (2, 64, False)
+    flags = load_settings(
+        overrides={"model.lora_modules": ["a=/x"], "server.allow_runtime_lora_updating": True}, env={}
+    )
+    assert flags.to_engine_config("/m").enable_lora  # runtime loading needs the slots
+    with pytest.raises(SettingsError, match=r"expected name=path for a LoRA adapter, got 'nopath'"):
+        load_settings(overrides={"model.lora_modules": ["nopath"]}, env={})
+    with pytest.raises(SettingsError, match="repeated: a"):
+        load_settings(env={"IZH_MODEL__LORA_MODULES": "a=/x,a=/y"})
