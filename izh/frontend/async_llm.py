@@ -339,12 +339,17 @@ class AsyncLLM:
             restart_dead_core=restart_dead_core,
             client_options=client_options,
         )
-        llm._client = client
-        if client.ready is not None:
-            llm.lora_adapters = dict(client.ready.lora_adapters)
+        llm.bind_client(client)
         if client.is_dead:  # it died between Ready and now, before `llm` could hear of it
             llm._on_dead(client.dead_reason or "unknown")
         return llm
+
+    def bind_client(self, client: EngineCoreClient) -> None:
+        """Talk to the core(s) through `client` (started and ready), and serve the LoRA adapters they
+        loaded at start."""
+        self._client = client
+        if client.ready is not None:
+            self.lora_adapters = dict(client.ready.lora_adapters)
 
     # --- state ----------------------------------------------------------------------------------
 

@@ -156,6 +156,10 @@ class DataParallelClient:
             for name in _SUMMED_STATS:
                 setattr(total, name, getattr(total, name) + getattr(stats, name))
         total.kv_cache_usage = sum(s.kv_cache_usage for s, _ in known) / len(known)
+        # Every core loads the same adapters: their running and waiting sets are unions.
+        total.running_lora_adapters = sorted({n for s, _ in known for n in s.running_lora_adapters})
+        total.waiting_lora_adapters = sorted({n for s, _ in known for n in s.waiting_lora_adapters})
+        total.max_loras = known[0][0].max_loras
         return total, max(age for _, age in known)
 
     def latest_block_map(self) -> tuple[list[int], float | None]:
@@ -307,7 +311,7 @@ async def start_attached_llm(
         max_buffered_outputs=max_buffered_outputs,
         stat_loggers=(),
     )
-    llm._client = client  # type: ignore[assignment]
+    llm.bind_client(client)  # type: ignore[arg-type]
     if dp is not None:
         dp.route_observers = llm.stat_loggers.loggers
         for k, c in enumerate(clients):

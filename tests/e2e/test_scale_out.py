@@ -375,3 +375,55 @@ def test_the_last_core_dying_fails_streams_and_stops_the_server_with_exit_1(
     assert server.proc.wait(60) == 1
     assert "the engine core died" in server.log.read_text()
     _wait_for(lambda: not any(_alive(p) for p in apis), 10, "the API processes to exit")
+
+
+def test_lora_adapters_serve_through_every_api_process_and_core(
+    tiny_llama_dir: str, tmp_path: Path, start: Callable[..., Server]
+) -> None:
+    """--lora-modules under the supervisor: every core loads the adapter, every API process lists it,
+    and its greedy text is the single-process one, whichever process and core answer."""
+    from tests.fixtures.lora import build_peft_adapter
+
+    adapter = build_peft_adapter(tiny_llama_dir, tmp_path / "adapter", r=8, alpha=16, seed=5)
+    single = start("--lora-modules", f"ad={adapter}")
+    client = OpenAI(base_url=f"{single.url}/v1", api_key="unused", max_retries=0)
+    expected = {
+        model: [
+            client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0).choices[0].text
+            for p in PROMPTS[:3]
+        ]
+        for model in ("tiny", "ad")
+    }
+    _stop(single)
+    assert expected["tiny"] != expected["ad"]
+    scaled = start("--lora-modules", f"ad={adapter}", "--api-server-count", "2", "--data-parallel-size", "2")
+    seen_ids: set[str] = set()
+    for _ in range(6):  # fresh connections: the kernel spreads them over both API processes
+        with httpx.Client() as http:
+            models = http.get(f"{scaled.url}/v1/models", timeout=30).json()["data"]
+            assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None), ("ad", "tiny")]
+            for model in ("tiny", "ad"):
+                for prompt, text in zip(PROMPTS[:3], expected[model], strict=True):
+                    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+                    response = http.post(f"{scaled.url}/v1/completions", json=body, timeout=60).json()
+                    assert response["choices"][0]["text"] == text
+                    assert response["model"] == model
+                    seen_ids.add(_api_index(response["id"]))
+    assert seen_ids == {"a0", "a1"}
+    metrics = scaled.get("/metrics").text
+    assert sum(_metric(metrics, "izh:lora_requests_total", lora_name="ad")) == 6 * 3
+    # Both cores served the adapter's requests (routing spreads a quiet server's load).
+    engines = scaled.get("/v1/izh/stats").json()["engines"]
+    assert all(e["prefix_cache_queries"] > 0 for e in engines)
+
+
+def test_runtime_lora_updating_is_a_usage_error_under_the_supervisor(
+    tiny_llama_dir: str, tmp_path: Path
+) -> None:
+    env = {**os.environ, "IZH_CACHE_DIR": isolated_cache_dir(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "izh_cli.main", "serve", tiny_llama_dir, "--port", str(_free_port())]
+    cmd += ["--api-server-count", "2", "--allow-runtime-lora-updating"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2
+    assert "allow_runtime_lora_updating cannot be combined" in result.stderr
+    assert "--lora-modules" in result.stderr
