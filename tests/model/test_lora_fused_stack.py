@@ -4,9 +4,11 @@ CPU runs."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import pytest
+import torch
 
 from izh import LLM, SamplingParams
 from izh.kernels import cpu as cpu_ops
@@ -94,3 +96,61 @@ def test_stack_with_lora_equals_the_module_path(
             a.outputs[0].token_ids != b.outputs[0].token_ids for a, b in zip(base, with_stack, strict=True)
         ]
         assert changed == [name is not None for name in NAMES[:count]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lora_kernel_equals_its_reference_on_odd_shapes(variant: str, dtype: torch.dtype) -> None:
+    """csrc/lora.c alone: inputs and shard widths that are not multiples of the vector width, runs of 1-5
+    rows on a slot, the base model between them, a slot of rank 0 and slots out of order."""
+    from izh.kernels.cpu.library import STATE, resolve
+
+    slots, max_rank, k = 3, 6, 70
+    bounds = [0, 37, 50, 59]  # three shards
+    n, out_features = len(bounds) - 1, bounds[-1]
+    ranks = torch.tensor([5, 0, 2], dtype=torch.int32)
+    row_slots = torch.tensor([0, 0, 0, 0, 0, -1, 2, 1, 2, 2, 0, -1], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    a = torch.zeros(slots, n * max_rank, k)
+    bt = torch.zeros(slots, n * max_rank, out_features)
+    for s, r in enumerate(ranks.tolist()):
+        a[s, : r * n] = torch.randn(r * n, k, generator=g)
+        for j in range(r * n):  # block-diagonal: rank row j * n + i writes shard i only
+            i = j % n
+            bt[s, j, bounds[i] : bounds[i + 1]] = torch.randn(bounds[i + 1] - bounds[i], generator=g)
+    a, bt = a.to(dtype), bt.to(dtype)
+    x = torch.randn(len(row_slots), k, generator=g).to(dtype)
+    out = torch.randn(len(row_slots), out_features, generator=g).to(dtype)
+    expected = out.clone()
+    for m, s in enumerate(row_slots.tolist()):
+        if s >= 0:
+            kr = int(ranks[s]) * n
+            t = (x[m : m + 1].float() @ a[s, :kr].float().t()).to(dtype)
+            delta = (t.float() @ bt[s, :kr].float()).to(dtype)
+            expected[m] = (out[m : m + 1].float() + delta.float()).to(dtype)[0]
+    table = torch.tensor([a.data_ptr(), bt.data_ptr(), n, *bounds], dtype=torch.int64)
+    with cpu_ops.use_variant(variant):
+        lib = (STATE.active or resolve()).handle
+        assert lib is not None
+        fn = lib.izh_lora_add_f32 if dtype == torch.float32 else lib.izh_lora_add_bf16
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [p, i64, i64, p, i64, p, i64, p, p, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        got = out.clone()
+        rc = fn(
+            x.data_ptr(),
+            len(row_slots),
+            k,
+            got.data_ptr(),
+            out_features,
+            table.data_ptr(),
+            max_rank,
+            row_slots.data_ptr(),
+            ranks.data_ptr(),
+            2,
+        )
+    assert rc == 0
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+    base = (row_slots < 0) | (row_slots == 1)
+    assert torch.equal(got[base], out[base])  # the base model's rows and the rank-0 slot's: untouched

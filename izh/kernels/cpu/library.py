@@ -53,7 +53,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_ABI_VERSION = 5  # izh_cpu_abi_version() in csrc/abi.c
+_ABI_VERSION = 6  # izh_cpu_abi_version() in csrc/abi.c
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # x, x_stride, w, out, n, hidden, eps, nt
