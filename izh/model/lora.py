@@ -326,7 +326,8 @@ class LoraModel:
 
     @property
     def active(self) -> bool:
-        """This step has adapter tokens (the fused decode stack and CUDA graphs must not run it)."""
+        """This step has adapter tokens (CUDA graphs must not run it; the fused decode stack runs it only
+        with `row_slots` and its LoRA table)."""
         return self.batch is not None
 
     def set_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
