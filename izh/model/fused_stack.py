@@ -154,6 +154,7 @@ class FusedDecodeStack:
         if lora is not None and lora.batch is not None:
             table = self.lora_table(lora)
             assert table is not None, "run a LoRA step on the stack only when lora_table() has a table"
+            assert lora.batch.row_slots.shape[0] == num_tokens, "the LoRA batch is another step's"
             lora_args = (table, lora.max_rank, lora.batch.row_slots, lora.slot_ranks)
         outs = []
         for a in range(0, num_tokens, rows):
