@@ -11,10 +11,12 @@
  * A is [slots, n * R, K] and Bt [slots, n * R, N] (R the slots' rank, n the projections packed in the
  * linear, rank-major: row j * n + i is shard i's rank-j row, whose Bt row is zero outside the shard's
  * columns [bounds[i], bounds[i + 1]); the scaling is folded into Bt). Only the summation order differs from
- * torch's: the dot products in 16 lanes, summed pairwise, the expansion row by row over the shard's columns
- * only (the zeros are skipped; so are rank rows whose t is exactly 0, e.g. a projection the adapter does not
- * target). Plain C with GCC's generic vectors for the dot products, which every variant lowers to its own
- * registers (no intrinsics). */
+ * torch's: the dot products in LORA_LANES partial sums (16 / 8 / 4 by variant), summed pairwise; the
+ * expansion in rank order over the shard's columns only (the zeros are skipped; so are rank rows whose t is
+ * exactly 0 for every row of a block, e.g. a projection the adapter does not target). Rows go in blocks of
+ * up to LORA_MR consecutive rows on one slot, so each weight vector loaded serves the whole block. Plain C
+ * with GCC's generic vectors (vector_size), which every variant lowers to its own registers: no
+ * intrinsics, so generic, avx2, avx512, amx and aarch64 (NEON) all build it. */
 #include "common.h"
 
 /* Lanes of one GCC generic vector: a register of the variant (zmm, ymm, xmm / NEON q). */
