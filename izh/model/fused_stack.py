@@ -7,6 +7,11 @@ A single-stream decode step of a small model on a CPU spends as long in Python b
 model holds izh's packed records, the C side can run the same kernels in the same order itself: its output
 is bit-identical to the module path's, which stays the definition (and runs everything else: prefills,
 mixed steps, larger decode steps, per-head q/k norms, other backends).
+
+Decode steps with LoRA adapter tokens stay on the stack: it is given the adapters' stacked A and Bt buffers
+(izh.model.lora, one pointer pair per layer and linear, built once per `LoraModel`) and each token's slot,
+and adds the deltas after each record matmul (csrc/lora.c). Those match the module path's hooks up to the
+summation order inside the two small products (tokens equal in float32 but for near ties).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from izh.kernels import cpu as cpu_ops
 from izh.model.attention import AttentionMetadata, PagedTorchAttentionBackend
 from izh.model.config import ModelConfig
 from izh.model.layers import Linear
+from izh.model.lora import LoraModel
 from izh.model.packed import RECORDS_ANY_ROWS, Q4Records, Q8Records
 
 MAX_CHUNKS = 4
@@ -60,6 +66,8 @@ class FusedDecodeStack:
         self.scale = config.head_dim**-0.5
         self.final_norm = final_norm
         self.kv_geometry = (int(kv_cache.shape[1]), int(kv_cache.shape[2]))
+        self._lora: tuple[LoraModel, Tensor | None] | None = None
+        """The LoRA table of the last `LoraModel` seen (None in its place: the stack cannot take it)."""
 
     @classmethod
     def build(
@@ -117,19 +125,43 @@ class FusedDecodeStack:
         """Sequences per C call: `qgemm_max_rows()` in bfloat16, any number in float32."""
         return RECORDS_ANY_ROWS if self.final_norm.dtype == torch.float32 else cpu_ops.qgemm_max_rows()
 
-    def run(self, hidden_states: Tensor, cos_sin: Tensor, attn_metadata: AttentionMetadata) -> Tensor:
+    def lora_table(self, lora: LoraModel) -> Tensor | None:
+        """The C side's LoRA table (int64 [layers, STACK_LORA_FIELDS]) for `lora`'s buffers, built once per
+        `LoraModel`; None when the stack cannot add its deltas (a buffer not a contiguous CPU tensor of the
+        stack's dtype, another number of layers): such steps run the modules."""
+        if self._lora is None or self._lora[0] is not lora:
+            self._lora = (lora, _lora_table(lora, self.final_norm.dtype, int(self.table.shape[0])))
+        return self._lora[1]
+
+    def run(
+        self,
+        hidden_states: Tensor,
+        cos_sin: Tensor,
+        attn_metadata: AttentionMetadata,
+        lora: LoraModel | None = None,
+    ) -> Tensor:
         """Final-normed hidden states for the embeddings `hidden_states` [M, hidden] (overwritten).
 
         Over `qgemm_max_rows()` decodes, consecutive chunks of that many sequences go through the stack
-        one after the other (a decode's layers see only its own sequence)."""
+        one after the other (a decode's layers see only its own sequence). With `lora` (whose batch is this
+        step's, and `lora_table(lora)` not None), the adapter tokens get their deltas."""
         slot_mapping = _as(attn_metadata.slot_mapping, torch.int64)
         block_tables = _as(attn_metadata.block_tables, torch.int32)
         seq_lens = _as(attn_metadata.seq_lens, torch.int32)
         num_tokens = hidden_states.shape[0]
         rows = self.chunk_rows
+        lora_args: tuple[Tensor, int, Tensor, Tensor] | None = None
+        if lora is not None and lora.batch is not None:
+            table = self.lora_table(lora)
+            assert table is not None, "run a LoRA step on the stack only when lora_table() has a table"
+            assert lora.batch.row_slots.shape[0] == num_tokens, "the LoRA batch is another step's"
+            lora_args = (table, lora.max_rank, lora.batch.row_slots, lora.slot_ranks)
         outs = []
         for a in range(0, num_tokens, rows):
             b = min(a + rows, num_tokens)
+            chunk_lora = None
+            if lora_args is not None:
+                chunk_lora = (lora_args[0], lora_args[1], lora_args[2][a:b], lora_args[3])
             outs.append(
                 cpu_ops.decode_stack(
                     self.table,
@@ -143,6 +175,7 @@ class FusedDecodeStack:
                     slot_mapping[a:b],
                     block_tables[a:b],
                     seq_lens[a:b],
+                    chunk_lora,
                 )
             )
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -157,6 +190,27 @@ def _linear_fields(linear: Linear, dtype: torch.dtype) -> list[int] | None:
     if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return None
     return [packed.records.data_ptr(), packed.kind, 0 if bias is None else bias.data_ptr()]
+
+
+def _lora_table(lora: LoraModel, dtype: torch.dtype, num_layers: int) -> Tensor | None:
+    """(A, Bt, n, shard bounds padded to 4) per linear and layer, or None where the C side cannot read them."""
+    if len(lora.layers) != num_layers:
+        return None
+    rows: list[list[int]] = []
+    for linears in lora.layers:
+        row: list[int] = []
+        for lin in linears:
+            buffers = (lin.a, lin.bt)
+            if any(t.dtype != dtype or not t.is_cpu or not t.is_contiguous() for t in buffers):
+                return None
+            if len(lin.shard_bounds) > 4:
+                return None
+            bounds = lin.shard_bounds + [0] * (4 - len(lin.shard_bounds))
+            row += [lin.a.data_ptr(), lin.bt.data_ptr(), len(lin.projections), *bounds]
+        rows.append(row)
+    table = torch.tensor(rows, dtype=torch.int64)
+    assert table.shape[1] == cpu_ops.STACK_LORA_FIELDS
+    return table
 
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:

@@ -170,8 +170,8 @@ class LlamaForCausalLM(nn.Module):
         self.fused_stack: FusedDecodeStack | None = None
         """Small decode steps in one C call (`prepare_fused_decode`); None runs the modules."""
         self.lora: LoraModel | None = None
-        """Resident LoRA adapters (izh.model.lora, attached by the engine); a step with adapter tokens
-        runs the modules, whose linears' hooks add the deltas."""
+        """Resident LoRA adapters (izh.model.lora, attached by the engine): the linears' hooks add the
+        deltas on the module path, the fused stack adds them itself on the decode steps it runs."""
         self._kv_caches_bound = False
 
     @staticmethod
@@ -192,10 +192,14 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.rotary_emb(positions)  # [num_tokens, head_dim], shared by every layer
         backend = self.paged_backend if self._kv_caches_bound else self.reference_backend
         stack = self.fused_stack
-        lora_step = self.lora is not None and self.lora.active
-        if stack is not None and not lora_step and stack.applies(input_ids, attn_metadata, backend):
+        lora = self.lora if self.lora is not None and self.lora.active else None
+        if (
+            stack is not None
+            and stack.applies(input_ids, attn_metadata, backend)
+            and (lora is None or stack.lora_table(lora) is not None)
+        ):
             embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-            return stack.run(embeds, cos_sin, attn_metadata)
+            return stack.run(embeds, cos_sin, attn_metadata, lora)
         return self.model(input_ids, cos_sin, attn_metadata, backend, inputs_embeds)
 
     def prepare_fused_decode(self) -> bool:

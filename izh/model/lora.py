@@ -4,10 +4,10 @@ batched delta of one step.
 An adapter adds `scaling * B (A x)` to the output of a projection (q/k/v/o, gate/up/down), with A [r, in]
 and B [out, r]; `scaling` is lora_alpha / r (lora_alpha / sqrt(r) with use_rslora), as in peft. The model
 keeps `num_slots` adapters resident: every packed `Linear` of every layer gets a `LoraLinear` holding
-A [slots, R * n, in] and B [slots, out, R * n] (n: the checkpoint projections packed in it, R:
-max_lora_rank; B block-diagonal over the shards, the scaling folded in). The rank dimension is
-rank-major (row j * n + i is shard i's rank-j row), so a step whose adapters have rank <= r reads only
-the first r * n rows: rank-8 adapters in rank-16 slots cost what rank-8 slots would.
+A [slots, R * n, in] and B transposed, Bt [slots, R * n, out] (n: the checkpoint projections packed in it,
+R: max_lora_rank; block-diagonal over the shards, the scaling folded in; in the model's dtype). The rank
+dimension is rank-major (row j * n + i is shard i's rank-j row), so a step whose adapters have rank <= r
+reads only the first r * n rows of both: rank-8 adapters in rank-16 slots cost what rank-8 slots would.
 
 A step's batch mixes requests on the base model (slot -1) and on any of the slots. `LoraModel.set_batch`
 groups the step's tokens by slot once; each linear then gathers its adapter tokens padded to
@@ -15,8 +15,9 @@ groups the step's tokens by slot once; each linear then gathers its adapter toke
 into the base output: one shrink/expand pair per linear for the whole step however many adapters it
 mixes (the segmented gather-matmul of Punica / S-LoRA), never weights merged into the base, never a
 forward per adapter. The deltas ride on forward hooks of the linears, so the base `Linear` (dense or
-packed int4/int8) stays as it is; the fused C decode stack, which bypasses the linears, is skipped for
-steps with adapter tokens (`LoraModel.active`).
+packed int4/int8) stays as it is. The fused C decode stack (izh.model.fused_stack), which bypasses the
+linears, reads the same A and Bt buffers and adds the same deltas after each record matmul itself, row by
+row from `LoraBatch.row_slots` (csrc/lora.c).
 
 This module knows tensors and the model only; which adapter sits in which slot is the engine's business
 (izh.engine.lora_manager).
@@ -218,6 +219,8 @@ class LoraBatch:
     """The largest rank among the step's adapters (the slots' rows past it are zeros for all of them)."""
     slot_range: tuple[int, int] | None
     """(first, end) when the segments' slots are consecutive: the stacked weights are sliced, not gathered."""
+    row_slots: Tensor
+    """[num_tokens] int32, on the host: each token's slot, -1 for the base model (the fused stack's)."""
     contiguous_start: int | None
     """Set when the segments are equal in length and lie one after the other from this row, in slot
     order (a decode step whose batch the runner sorted by slot): the tokens are a view, not gathered, and
@@ -246,12 +249,14 @@ class LoraLinear:
         self.a = torch.zeros(
             num_slots, n * max_rank, linear.in_features, dtype=weight.dtype, device=weight.device
         )
-        self.b = torch.zeros(num_slots, out_features, n * max_rank, dtype=weight.dtype, device=weight.device)
+        self.bt = torch.zeros(num_slots, n * max_rank, out_features, dtype=weight.dtype, device=weight.device)
+        self.shard_bounds = [self.rows[0][0]] + [end for _, end in self.rows]
+        """The column bounds of the shards in the output (n + 1 numbers)."""
 
     def set_slot(self, slot: int, adapter: LoraAdapter | None, layer: int) -> None:
         """Copy the adapter's weights for this linear into `slot` (zeros where it has none)."""
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.bt[slot].zero_()
         if adapter is None:
             return
         r = adapter.rank
@@ -262,7 +267,7 @@ class LoraLinear:
                 continue
             a, b = pair
             self.a[slot, i : r * n : n].copy_(a)  # rank-major: rank j of shard i at row j * n + i
-            self.b[slot, start:end, i : r * n : n].copy_(b * adapter.scaling)
+            self.bt[slot, i : r * n : n, start:end].copy_((b * adapter.scaling).t())
 
     def hook(self, module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> Tensor:
         """forward hook: output += the batch's adapter deltas (in place; the base output is fresh)."""
@@ -274,17 +279,17 @@ class LoraLinear:
         k = batch.rank * len(self.projections)
         if batch.slot_range is not None:
             first, end = batch.slot_range
-            a, b = self.a[first:end, :k], self.b[first:end, :, :k]
+            a, bt = self.a[first:end, :k], self.bt[first:end, :k]
         else:
             a = self.a.index_select(0, batch.slots_device)[:, :k]
-            b = self.b.index_select(0, batch.slots_device)[:, :, :k]
+            bt = self.bt.index_select(0, batch.slots_device)[:, :k]
         start = batch.contiguous_start
         if start is not None:
             end = start + s * batch.length
             xs = x[start:end].view(s, batch.length, x.shape[-1])
         else:
             xs = x.index_select(0, batch.gather).view(s, batch.length, x.shape[-1])
-        delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2))  # [S, L, out]
+        delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), bt)  # [S, L, out]
         if start is not None:
             output[start:end].view_as(delta).add_(delta)
             return output
@@ -304,6 +309,8 @@ class LoraModel:
         self.max_rank = max_rank
         self.batch: LoraBatch | None = None
         """This step's grouping; None when no token of the step uses an adapter (the hooks do nothing)."""
+        self.slot_ranks = torch.zeros(num_slots, dtype=torch.int32)
+        """The rank of the adapter in each slot (0: empty), on the host (the fused stack reads it)."""
         self.layers: list[list[LoraLinear]] = []
         self._device = torch.device("cpu")
         for layer in layers:
@@ -319,7 +326,8 @@ class LoraModel:
 
     @property
     def active(self) -> bool:
-        """This step has adapter tokens (the fused decode stack and CUDA graphs must not run it)."""
+        """This step has adapter tokens (CUDA graphs must not run it; the fused decode stack runs it only
+        with `row_slots` and its LoRA table)."""
         return self.batch is not None
 
     def set_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
@@ -332,6 +340,7 @@ class LoraModel:
             for index, linears in enumerate(self.layers):
                 for lora in linears:
                     lora.set_slot(slot, adapter, index)
+        self.slot_ranks[slot] = 0 if adapter is None else adapter.rank
 
     def set_batch(self, segments: Sequence[tuple[int, int]], ranks: Sequence[int]) -> None:
         """Group the next forward's tokens: `segments` lists, in batch order, (slot or -1 for the base
@@ -339,10 +348,12 @@ class LoraModel:
         Call `clear_batch` after the forward."""
         by_slot: dict[int, list[tuple[int, int]]] = {}
         start = 0
+        row_slots: list[int] = []
         for slot, num_tokens in segments:
             if slot >= 0 and num_tokens > 0:
                 by_slot.setdefault(slot, []).append((start, start + num_tokens))
             start += num_tokens
+            row_slots.extend([slot if slot >= 0 else -1] * num_tokens)
         if not by_slot:
             self.batch = None
             return
@@ -372,6 +383,7 @@ class LoraModel:
             length=length,
             rank=max(ranks[slot] for slot in slots),
             slot_range=(slots[0], slots[-1] + 1) if slots[-1] - slots[0] == len(slots) - 1 else None,
+            row_slots=torch.tensor(row_slots, dtype=torch.int32),
             contiguous_start=first if contiguous else None,
         )
         self.batch = batch

@@ -187,7 +187,7 @@ needs_records = pytest.mark.skipif(not cpu_ops.records_f32_available(), reason="
 
 
 @needs_records
-def test_packed_float32_records_take_the_deltas_and_base_steps_keep_the_fused_stack(
+def test_packed_float32_records_take_the_deltas_on_the_fused_stack(
     tiny_llama_dir: str, adapters: dict[str, str]
 ) -> None:
     packed = LLM(
@@ -200,16 +200,16 @@ def test_packed_float32_records_take_the_deltas_and_base_steps_keep_the_fused_st
     model = packed.engine_core.runner.model
     fused = model.fused_stack
     assert fused is not None
-    calls: list[int] = []
+    calls: list[bool] = []
     run = fused.run
-    fused.run = lambda *a, _run=run: calls.append(1) or _run(*a)  # type: ignore[method-assign]
+    fused.run = lambda *a, _run=run: calls.append(a[3] is not None) or _run(*a)  # type: ignore[method-assign]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
     base = packed.generate(PROMPT_DICTS[0], params)[0].outputs[0]
-    assert len(calls) == 5  # base-only decode steps: the fused C stack
+    assert calls == [False] * 5  # base-only decode steps: the fused C stack, no LoRA
     calls.clear()
     names = ["a", None, "a"]
     mixed = packed.generate(PROMPT_DICTS, params, lora_name=names)
-    assert not calls  # every step had adapter tokens: the modules ran
+    assert calls == [True] * 5  # decode steps with adapter tokens: the stack, deltas and all
     for prompt, name, out in zip(PROMPT_DICTS, names, mixed, strict=True):
         packed.engine_core.reset_prefix_cache()
         alone = packed.generate(prompt, params, lora_name=name)[0].outputs[0]

@@ -38,6 +38,8 @@ from izh.kernels.cpu.library import (
 )
 from izh.kernels.cpu.ops import (
     STACK_FIELDS,
+    STACK_LORA_FIELDS,
+    STACK_LORA_LINEAR,
     add_rms_norm_,
     argmax_rows,
     decode_stack,
@@ -81,6 +83,8 @@ __all__ = [
     "Q8_RECORD_BYTES",
     "QGEMM_GROUP",
     "STACK_FIELDS",
+    "STACK_LORA_FIELDS",
+    "STACK_LORA_LINEAR",
     "VARIANT_NAMES",
     "BuildResult",
     "CpuLibrary",

@@ -53,7 +53,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_ABI_VERSION = 5  # izh_cpu_abi_version() in csrc/abi.c
+_ABI_VERSION = 6  # izh_cpu_abi_version() in csrc/abi.c
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # x, x_stride, w, out, n, hidden, eps, nt
@@ -142,7 +142,7 @@ def _bind_library(name: str, path: Path) -> CpuLibrary:
             stack = lib.izh_decode_stack_bf16
             stack.restype = _INT
             stack.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _P, _P, _P, _P]
-            stack.argtypes += [_P, _P, _I64, _P, _I64, _I64, _INT]
+            stack.argtypes += [_P, _P, _I64, _P, _I64, _I64, _P, _I64, _P, _P, _INT]
             lib.izh_qgemm_max_rows.restype = _INT
             lib.izh_qgemm_uses_amx.restype = _INT
             lib.izh_qgemm_uses_amx.argtypes = [_INT, _I64]
@@ -155,7 +155,7 @@ def _bind_library(name: str, path: Path) -> CpuLibrary:
         stack_f32 = lib.izh_decode_stack_f32
         stack_f32.restype = _INT
         stack_f32.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _P, _P, _P, _P]
-        stack_f32.argtypes += [_P, _P, _I64, _P, _I64, _I64, _INT]
+        stack_f32.argtypes += [_P, _P, _I64, _P, _I64, _I64, _P, _I64, _P, _P, _INT]
         records_f32 = (lib.izh_q4_gemm_f32, lib.izh_q8_gemm_f32, stack_f32)
     except (OSError, AttributeError) as exc:
         raise KernelLoadError(f"cannot load {path}: {exc}") from exc

@@ -37,6 +37,8 @@ from izh.kernels.cpu.reference import (
 
 __all__ = [
     "STACK_FIELDS",
+    "STACK_LORA_FIELDS",
+    "STACK_LORA_LINEAR",
     "add_rms_norm_",
     "argmax_rows",
     "decode_stack",
@@ -354,6 +356,13 @@ def q8_matmul(x: Tensor, records: Tensor, n: int, k: int, out: Tensor | None = N
 STACK_FIELDS = 15
 """int64 fields per layer in `decode_stack`'s table (the STACK_* enum in csrc/common.h)."""
 
+STACK_LORA_LINEAR = 7
+"""int64 fields per linear in `decode_stack`'s LoRA table: A, Bt, n, the n + 1 shard bounds padded to 4
+(the STACK_LORA_* enum in csrc/common.h)."""
+
+STACK_LORA_FIELDS = 4 * STACK_LORA_LINEAR
+"""int64 fields per layer in the LoRA table (qkv, o, gate_up, down)."""
+
 
 def decode_stack(
     table: Tensor,
@@ -367,6 +376,7 @@ def decode_stack(
     slot_mapping: Tensor,
     block_tables: Tensor,
     seq_lens: Tensor,
+    lora: tuple[Tensor, int, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Every decoder layer plus the final norm for M single-token decodes, in one C call: M <=
     qgemm_max_rows() in bfloat16 (callable when `qgemm_available()`), any M in float32 (when
@@ -375,8 +385,11 @@ def decode_stack(
     table: int64 [layers, STACK_FIELDS] (`izh.model.fused_stack` builds it); dims: (hidden, heads, kv heads,
     head_dim, intermediate); x: [M, hidden] embeddings, overwritten (it carries the residual stream);
     cos_sin [M, head_dim]; kv_geometry: (num_blocks, block_size); slot_mapping int64 [M], block_tables
-    int32 [M, max_blocks], seq_lens int32 [M]. Returns the final-normed hidden states [M, hidden]. Only
-    Raises IndexError for an index outside the cache (nothing written).
+    int32 [M, max_blocks], seq_lens int32 [M]. lora: None, or (table int64 [layers, STACK_LORA_FIELDS],
+    the slots' rank R, row_slots int32 [M] (-1: the base model), slot_ranks int32 [slots]): each record
+    matmul is followed by the LoRA deltas of its adapter rows (csrc/lora.c; the table's A and Bt are x's
+    dtype). Returns the final-normed hidden states [M, hidden]. Raises IndexError for an index outside the
+    cache (nothing written).
     """
     hidden, heads, kv_heads, head_dim, inter = dims
     m = x.shape[0]
@@ -404,6 +417,10 @@ def decode_stack(
         seq_lens.data_ptr(),
         kv_geometry[0],
         kv_geometry[1],
+        None if lora is None else lora[0].data_ptr(),
+        0 if lora is None else lora[1],
+        None if lora is None else lora[2].data_ptr(),
+        None if lora is None else lora[3].data_ptr(),
         torch.get_num_threads(),
     )
     if rc != 0:

@@ -144,6 +144,18 @@ IZH_DECLARE_ROW_KERNELS(bf16)
 enum { STACK_IN_NORM, STACK_POST_NORM, STACK_KV, STACK_QKV, STACK_O = STACK_QKV + 3, STACK_GATE_UP = STACK_O + 3,
        STACK_DOWN = STACK_GATE_UP + 3, STACK_FIELDS = STACK_DOWN + 3 };
 
+/* The decode stacks' LoRA table (lora.c; izh.model.fused_stack builds it): num_layers rows of STACK_LORA_FIELDS
+ * int64, for qkv, o, gate_up, down in turn: A [slots, n * R, K], Bt [slots, n * R, N] (0: no adapter on
+ * that linear), n (the projections packed in it), and the n + 1 column bounds of its shards (padded to 4). */
+enum { STACK_LORA_A, STACK_LORA_BT, STACK_LORA_N, STACK_LORA_BOUNDS, STACK_LORA_LINEAR = STACK_LORA_BOUNDS + 4,
+       STACK_LORA_FIELDS = 4 * STACK_LORA_LINEAR };
+
+/* lora.c: out [M, N] += each adapter row's delta (see there). Return 0 or -4 (out of memory). */
+int izh_lora_add_f32(const float *x, int64_t M, int64_t K, float *out, int64_t N, const int64_t *lin, int64_t R,
+                     const int32_t *row_slots, const int32_t *slot_ranks, int nt);
+int izh_lora_add_bf16(const uint16_t *x, int64_t M, int64_t K, uint16_t *out, int64_t N, const int64_t *lin,
+                      int64_t R, const int32_t *row_slots, const int32_t *slot_ranks, int nt);
+
 /* qgemm_avx512.c (stubs returning -2, or 0 rows, without HAVE_QGEMM) */
 int izh_qgemm_available(void);
 int izh_qgemm_max_rows(void);
@@ -157,7 +169,14 @@ int izh_q8_gemm(const uint16_t *x, int64_t xs, const uint8_t *w, int64_t M, int6
 /* The body of the fused decode stacks (stack.c: bfloat16, records_f32.c: float32), after their row checks:
  * every layer through the dtype's kernels in the Python modules' order, then the final norm. T: the
  * element type; SFX: the kernels' suffix; LINEAR(lin, x, M, N, K, out, nt): a record matmul of the
- * STACK_* fields at lin, bias added, returning 0 or a stack code. Returns from the function. */
+ * STACK_* fields at lin, bias added, returning 0 or a stack code. When `lora` (the LoRA table) is not NULL,
+ * each matmul is followed by its rows' adapter deltas (row_slots [M], slot_ranks [slots], lora_rank R).
+ * Returns from the function. */
+#define IZH_STACK_LORA(SFX, I, XIN, N, K, OUT)                                                                 \
+    if (lora && (rc = izh_lora_add_##SFX(XIN, M, K, OUT, N, lora + l * STACK_LORA_FIELDS + (I) * STACK_LORA_LINEAR, \
+                                         lora_rank, row_slots, slot_ranks, nt)))                              \
+        break;
+
 #define IZH_DECODE_STACK_BODY(T, SFX, LINEAR)                                                                  \
     const int64_t qkv_w = (H + 2 * kvh) * d;                                                                   \
     const size_t elems = (size_t)M * (size_t)(2 * hidden + qkv_w + H * d + 3 * inter);                         \
@@ -175,6 +194,7 @@ int izh_q8_gemm(const uint16_t *x, int64_t xs, const uint8_t *w, int64_t M, int6
         else                                                                                                   \
             izh_add_rms_norm_##SFX(h, x, in_norm, normed, M, hidden, eps, nt);                                 \
         if ((rc = LINEAR(lp + STACK_QKV, normed, M, qkv_w, hidden, qkv, nt))) break;                           \
+        IZH_STACK_LORA(SFX, 0, normed, qkv_w, hidden, qkv)                                                     \
         izh_rotary_##SFX(qkv, qkv_w, d, cos_sin, M, H + kvh, d, nt);                                           \
         rc = izh_paged_decode_attention_##SFX(qkv, qkv_w, d, qkv + H * d, qkv_w, d, qkv + (H + kvh) * d, qkv_w, \
                                               d, (void *)(intptr_t)lp[STACK_KV], num_blocks, block_size, kvh,  \
@@ -182,10 +202,13 @@ int izh_q8_gemm(const uint16_t *x, int64_t xs, const uint8_t *w, int64_t M, int6
                                               scale, nt);                                                      \
         if (rc) break;                                                                                         \
         if ((rc = LINEAR(lp + STACK_O, attn, M, hidden, H * d, h, nt))) break;                                 \
+        IZH_STACK_LORA(SFX, 1, attn, hidden, H * d, h)                                                         \
         izh_add_rms_norm_##SFX(h, x, post_norm, normed, M, hidden, eps, nt);                                   \
         if ((rc = LINEAR(lp + STACK_GATE_UP, normed, M, 2 * inter, hidden, gate_up, nt))) break;               \
+        IZH_STACK_LORA(SFX, 2, normed, 2 * inter, hidden, gate_up)                                             \
         izh_silu_mul_##SFX(gate_up, 2 * inter, act, M, inter, nt);                                             \
-        rc = LINEAR(lp + STACK_DOWN, act, M, hidden, inter, h, nt);                                            \
+        if ((rc = LINEAR(lp + STACK_DOWN, act, M, hidden, inter, h, nt))) break;                               \
+        IZH_STACK_LORA(SFX, 3, act, hidden, inter, h)                                                          \
     }                                                                                                          \
     if (rc == 0) izh_add_rms_norm_##SFX(h, x, final_norm, out, M, hidden, eps, nt);                            \
     free(buf);                                                                                                 \
