@@ -5,8 +5,9 @@ driven by `izh bench` at several concurrencies, next to the offline engine on th
 
 Per level it reports streamed tokens/s, median ITL, the same engine's offline decode step time at that
 batch size (so ITL minus it is what serving adds), and the CPU time the API process spent per streamed
-token (from /proc, so it excludes the engine core process and the benchmark client). Writes one JSON
-under bench_results/.
+token (from /proc, so it excludes the engine core process and the benchmark client), the core's and
+the client's (`izh bench`) CPU per token, and the share of the machine's CPU time left idle. Writes one
+JSON under bench_results/.
 
 Scale-out (`izh serve --api-server-count N --data-parallel-size M`), configurations alternated round by
 round, each server started afresh and alone on the machine:
@@ -44,6 +45,12 @@ from benchmarks.offline_throughput import write_record  # noqa: E402
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_idle_s() -> float:
+    """Idle CPU seconds of the whole machine so far, summed over its CPUs (/proc/stat: idle + iowait)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    return (int(fields[3]) + int(fields[4])) / os.sysconf("SC_CLK_TCK")
 
 
 def spawned_children(pid: int) -> list[int]:
@@ -155,7 +162,13 @@ def run_config(
             bench += ["--concurrency", str(level), "--requests", str(level * args.requests_per_stream)]
             bench += [*dataset, "--output-len", str(args.output_len)]
             bench += ["--ignore-eos", "--json", "--out", str(out)]
-            subprocess.run(bench, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            idle0, wall0 = machine_idle_s(), time.monotonic()
+            client = subprocess.Popen(bench, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            _, status, usage = os.wait4(client.pid, 0)
+            client.returncode = os.waitstatus_to_exitcode(status)
+            if client.returncode:
+                raise RuntimeError(f"izh bench failed ({client.returncode})")
+            idle_share = (machine_idle_s() - idle0) / ((time.monotonic() - wall0) * (os.cpu_count() or 1))
             front_s = sum(map(cpu_seconds, apis)) - front0
             core_s = sum(map(cpu_seconds, cores)) - core0
             counters = {k: v - counters0.get(k, 0.0) for k, v in metric_sums(url).items()}
@@ -173,6 +186,9 @@ def run_config(
                 "failed": m["failed"],
                 "frontend_cpu_us_per_token": 1e6 * front_s / tokens,
                 "core_cpu_us_per_token": 1e6 * core_s / tokens,
+                # The load generator's own CPU (izh bench), and how much of the machine stayed idle.
+                "client_cpu_us_per_token": 1e6 * (usage.ru_utime + usage.ru_stime) / tokens,
+                "machine_idle_share": idle_share,
             }
             routed = {k.split(":")[-1]: v for k, v in counters.items() if k.startswith("izh:dp_routed")}
             if dp_size > 1 and sum(routed.values()):
