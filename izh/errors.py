@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 
 class IzhError(Exception):
     """Base of every error izh reports to a user or a client."""
@@ -129,3 +131,15 @@ class HTTPStatusError(IzhError):
     def __init__(self, message: str, status_code: int) -> None:
         super().__init__(message)
         self.status_code = status_code
+
+
+def describe_exit(exit_code: int | None) -> str:
+    """How a child process ended, for messages: "killed by SIGKILL", "exit code 1" (None: unknown)."""
+    if exit_code is None:
+        return "exit code unknown"
+    if exit_code < 0:
+        try:
+            return f"killed by {signal.Signals(-exit_code).name}"
+        except ValueError:
+            return f"killed by signal {-exit_code}"
+    return f"exit code {exit_code}"

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
+from izh.errors import describe_exit
 from izh_cli._common import EXIT_USAGE, fail, stderr_console
 
 if TYPE_CHECKING:
@@ -290,7 +291,9 @@ class Supervisor:
             return
         alive_cores = [k for k, core in enumerate(self.cores) if core.is_alive()]
         if not alive_cores:
-            logger.error("every engine core died; API process %d exited (%s)", a, _describe(proc.exitcode))
+            logger.error(
+                "every engine core died; API process %d exited (%s)", a, describe_exit(proc.exitcode)
+            )
             self.console.print("[bold red]Error:[/] the engine core died", highlight=False)
         else:
             logger.error(
@@ -298,7 +301,7 @@ class Supervisor:
                 "supervisor to restart it",
                 a,
                 proc.pid,
-                _describe(proc.exitcode),
+                describe_exit(proc.exitcode),
             )
         self._begin_stop(EXIT_FAILURE)
 
@@ -314,14 +317,17 @@ class Supervisor:
                 "engine core %d (pid %s) exited (%s); its requests failed, %d of %d cores serve on (degraded)",
                 k,
                 proc.pid,
-                _describe(proc.exitcode),
+                describe_exit(proc.exitcode),
                 alive,
                 self.num_cores,
             )
         else:
             # The API processes notice (every request fails, /health 503) and exit; so do we.
             logger.error(
-                "engine core %d (pid %s) exited (%s); no core is left", k, proc.pid, _describe(proc.exitcode)
+                "engine core %d (pid %s) exited (%s); no core is left",
+                k,
+                proc.pid,
+                describe_exit(proc.exitcode),
             )
 
     def _on_signal(self, sig: int) -> None:
@@ -394,17 +400,6 @@ async def _join_all(procs: list[BaseProcess], timeout_s: float) -> None:
 
     if procs:
         await asyncio.to_thread(join)
-
-
-def _describe(exit_code: int | None) -> str:
-    if exit_code is None:
-        return "still running"
-    if exit_code < 0:
-        try:
-            return f"killed by {signal.Signals(-exit_code).name}"
-        except ValueError:
-            return f"killed by signal {-exit_code}"
-    return f"exit code {exit_code}"
 
 
 # --- the API process -------------------------------------------------------------------------------

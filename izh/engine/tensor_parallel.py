@@ -31,7 +31,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import signal
 import subprocess
 import sys
 import threading
@@ -45,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from izh.config import EngineConfig
-from izh.errors import EngineDead, ModelLoadError
+from izh.errors import EngineDead, ModelLoadError, describe_exit
 from izh.model.attention import AttentionMetadata
 from izh.model.parallel import TensorParallel
 
@@ -224,7 +223,7 @@ class TensorParallelRuntime:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=1.0)
             if proc.returncode is not None:
-                dead.append(f"rank {rank} (pid {proc.pid}) {_describe_exit(proc.returncode)}")
+                dead.append(f"rank {rank} (pid {proc.pid}) ended ({describe_exit(proc.returncode)})")
         detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         if dead:
             return f"tensor-parallel worker {', '.join(dead)}; the engine cannot continue ({detail})"
@@ -352,15 +351,6 @@ def _is_comm_error(exc: RuntimeError) -> bool:
     return isinstance(exc, dist.DistError) or any(
         word in text for word in ("gloo", "Gloo", "NCCL", "Connection", "Timed out", "timed out")
     )
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 def start(config: EngineConfig, device_type: str) -> TensorParallelRuntime:

@@ -28,7 +28,6 @@ import multiprocessing
 import multiprocessing.process
 import os
 import shutil
-import signal
 import tempfile
 import threading
 import time
@@ -42,7 +41,7 @@ import zmq.asyncio
 
 from izh.config import EngineConfig
 from izh.engine.core_proc import DEFAULT_CORE_FACTORY, run_engine_core
-from izh.errors import EngineDead, IzhError, ModelLoadError
+from izh.errors import EngineDead, IzhError, ModelLoadError, describe_exit
 from izh.protocol import (
     AddRequest,
     Dead,
@@ -324,7 +323,7 @@ class EngineCoreClient:
                 await asyncio.wait({recv}, timeout=_DEAD_MESSAGE_GRACE_S)
             if not recv.done():
                 if self._core_exited.done():
-                    code = _describe_exit(self._core_exited.result())
+                    code = describe_exit(self._core_exited.result())
                     raise EngineDead(
                         f"the engine core exited while starting ({code}); its log above says why"
                     )
@@ -465,7 +464,7 @@ class EngineCoreClient:
     async def _report_unexpected_exit(self, exit_code: int | None) -> None:
         # Let a Dead sent just before the exit arrive first: its reason is the useful one.
         await asyncio.sleep(_DEAD_MESSAGE_GRACE_S)
-        self._mark_dead(f"the engine core exited unexpectedly ({_describe_exit(exit_code)})")
+        self._mark_dead(f"the engine core exited unexpectedly ({describe_exit(exit_code)})")
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead_reason is not None or self._closing:
@@ -585,14 +584,3 @@ def engine_state(client: EngineCoreClient, index: int, dead_reason: str | None =
         "prefix_cache_hits": stats.prefix_cache_hits if stats is not None else 0,
         "stats_age_s": age,
     }
-
-
-def _describe_exit(exit_code: int | None) -> str:
-    if exit_code is None:
-        return "exit code unknown"
-    if exit_code < 0:
-        try:
-            return f"killed by {signal.Signals(-exit_code).name}"
-        except ValueError:
-            return f"killed by signal {-exit_code}"
-    return f"exit code {exit_code}"

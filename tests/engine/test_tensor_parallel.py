@@ -76,7 +76,7 @@ def test_a_killed_worker_fails_the_next_step_naming_it(
     _, proc = runtime.procs[0]
     proc.kill()
     proc.wait()
-    with pytest.raises(EngineDead, match=rf"rank 1 \(pid {proc.pid}\) was killed by SIGKILL"):
+    with pytest.raises(EngineDead, match=rf"rank 1 \(pid {proc.pid}\) ended \(killed by SIGKILL\)"):
         llm.generate(PROMPTS, GREEDY)
 
 
