@@ -25,7 +25,14 @@ import pytest
 from openai import OpenAI
 
 from tests.conftest import isolated_cache_dir
-from tests.e2e.test_serve import START_TIMEOUT_S, _alive, _children, _free_port, _wait_for
+from tests.e2e.test_serve import (
+    START_TIMEOUT_S,
+    _alive,
+    _children,
+    _free_port,
+    _wait_for,
+    serve_a_model_that_cannot_load,
+)
 
 PROMPTS = [
     "hello",
@@ -334,18 +341,9 @@ def _not_ready(server: Server) -> bool:
 
 
 def test_a_model_that_cannot_load_makes_the_supervisor_exit_1(tiny_llama_dir: str, tmp_path: Path) -> None:
-    import shutil
-
-    bad = tmp_path / "broken"
-    shutil.copytree(tiny_llama_dir, bad)
-    config = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
-    env = {**os.environ, "IZH_CACHE_DIR": isolated_cache_dir(tmp_path / "cache")}
-    cmd = [sys.executable, "-m", "izh_cli.main", "serve", str(bad), "--port", str(_free_port())]
-    cmd += ["--api-server-count", "2", "--data-parallel-size", "2"]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
-    assert result.returncode == 1
-    assert "NoSuchModelForCausalLM" in result.stderr
+    serve_a_model_that_cannot_load(
+        tiny_llama_dir, tmp_path, "--api-server-count", "2", "--data-parallel-size", "2"
+    )
 
 
 @pytest.mark.parametrize(

@@ -180,7 +180,9 @@ def test_engine_core_killed_fails_streams_and_exits_nonzero(serve: Callable[...,
     assert "engine core died" in served.log.read_text()
 
 
-def test_core_that_cannot_start_makes_serve_exit_1(tiny_llama_dir: str, tmp_path: Path) -> None:
+def serve_a_model_that_cannot_load(tiny_llama_dir: str, tmp_path: Path, *flags: str) -> None:
+    """`izh serve` (with `flags`) on a copy of the tiny model whose architecture does not exist: it
+    exits 1 naming the architecture."""
     import shutil
 
     bad = tmp_path / "broken"
@@ -188,7 +190,11 @@ def test_core_that_cannot_start_makes_serve_exit_1(tiny_llama_dir: str, tmp_path
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
     env = {**os.environ, "IZH_CACHE_DIR": isolated_cache_dir(tmp_path / "cache")}
-    cmd = [sys.executable, "-m", "izh_cli.main", "serve", str(bad), "--port", str(_free_port())]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    cmd = [sys.executable, "-m", "izh_cli.main", "serve", str(bad), "--port", str(_free_port()), *flags]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
     assert result.returncode == 1
     assert "NoSuchModelForCausalLM" in result.stderr
+
+
+def test_core_that_cannot_start_makes_serve_exit_1(tiny_llama_dir: str, tmp_path: Path) -> None:
+    serve_a_model_that_cannot_load(tiny_llama_dir, tmp_path)
