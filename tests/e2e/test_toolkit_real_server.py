@@ -115,7 +115,10 @@ def test_bench_result_is_well_formed_and_agrees_with_the_server_metrics(server: 
     assert metrics["total_output_tokens"] == 12 * 16  # --ignore-eos: exactly --output-len each
     assert len(run["requests"]) == 12 and all(r["error"] is None for r in run["requests"])
     assert metrics["total_input_tokens"] == sum(r["prompt_tokens"] for r in run["requests"])
-    assert 0 < metrics["median_ttft_ms"] <= metrics["p99_ttft_ms"] <= metrics["median_e2el_ms"] * 2
+    # Each request's first token comes no later than its last, so every TTFT percentile is at most the
+    # same E2E percentile (the old bound, 2x the median E2E, was a timing guess that a busy machine broke).
+    assert 0 < metrics["median_ttft_ms"] <= metrics["p99_ttft_ms"] <= metrics["p99_e2el_ms"]
+    assert metrics["median_ttft_ms"] <= metrics["median_e2el_ms"]
     assert summary["runs"][0]["metrics"] == metrics and "requests" not in summary["runs"][0]
 
     # The server's counters include bench's one probe request; the result records it.

@@ -110,7 +110,8 @@ def test_each_frontend_gets_its_own_outputs_and_everyone_the_stats(cores_factory
             assert recorders[1].tokens("r1") == [8, 9] and "r0" not in recorders[1].outputs
             # Utility answers go to their caller only (call ids collide across frontends).
             assert await asyncio.gather(*(c.call_utility("ping") for c in clients)) == ["pong", "pong"]
-            await recorders[1].until(lambda: bool(recorders[0].stats and recorders[1].stats))
+            for recorder in recorders:  # each wakes on its own core's messages
+                await recorder.until(lambda recorder=recorder: bool(recorder.stats))
             # An abort from frontend 1 ends its request there.
             clients[1].send(add("long", [FOREVER_TOKEN, 3], max_tokens=10_000))
             await recorders[1].until(lambda: bool(recorders[1].outputs.get("long")))
@@ -244,7 +245,9 @@ def test_every_core_dead_is_dead(cores_factory: MakeCores) -> None:
         try:
             for k in range(2):
                 clients[k].send(add(f"crash{k}", [CRASH_TOKEN]))
-            await recorders[1].until(lambda: bool(recorders[0].dead and recorders[1].dead))
+            # Each recorder wakes on its own core's events: wait on each (the cores die in either order).
+            for recorder in recorders:
+                await recorder.until(lambda recorder=recorder: bool(recorder.dead))
             assert dp.is_dead and len(dead) == 1
             assert "core 0" in (dp.dead_reason or "") and "core 1" in (dp.dead_reason or "")
             with pytest.raises(EngineDead):
