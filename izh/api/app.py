@@ -93,6 +93,8 @@ def build_app(
     multiprocess mode) and only process 0 records the engine-side metrics.
     """
     s = server if server is not None else ServerSettings()
+    # Without a [limits] section (tests, embedding apps) a request's own chat template is trusted.
+    limits = limits if limits is not None else LimitSettings(trust_request_chat_template=True)
     tokenizer = llm.tokenizer
     parser = resolve_reasoning_parser(s.reasoning_parser, tokenizer.chat_template)
     select_tool_parser(s.tool_call_parser, tokenizer.chat_template)  # fail fast on an unknown name
@@ -143,7 +145,7 @@ def build_app(
         created=int(time.time()),
         tool_call_parser=s.tool_call_parser,
         responses_store=ResponseStore(s.responses_store_max),
-        limits=limits if limits is not None else LimitSettings(trust_request_chat_template=True),
+        limits=limits,
         allow_lora_updating=s.allow_runtime_lora_updating,
     )
     app.state.draining = False
@@ -162,7 +164,7 @@ def build_app(
         max_body_bytes=s.max_body_bytes,
         body_timeout_s=s.body_timeout_s,
         limits=RequestLimits(
-            limits if limits is not None else LimitSettings(trust_request_chat_template=True),
+            limits,
             max_model_len=engine_ready.max_model_len,
             template_names=frozenset(tokenizer.chat_templates),
         ),
