@@ -134,12 +134,14 @@ async def start_llm(settings: IzhSettings, engine_config: EngineConfig) -> Async
     )
 
 
-def build_server_app(llm: AsyncLLM, settings: IzhSettings) -> FastAPI:
+def build_server_app(llm: AsyncLLM, settings: IzhSettings, api_index: int | None = None) -> FastAPI:
     """The API app over a started `llm` as every izh server builds it: the [server], [limits] and
-    [rate_limits] sections."""
+    [rate_limits] sections; `api_index` for API process `api_index` of several (izh_cli/serve_multi.py)."""
     from izh.api.app import build_app
 
-    return build_app(llm, settings.server, limits=settings.limits, rate_limits=settings.rate_limits)
+    return build_app(
+        llm, settings.server, limits=settings.limits, rate_limits=settings.rate_limits, api_index=api_index
+    )
 
 
 def _uvicorn_config(app: FastAPI, settings: IzhSettings) -> uvicorn.Config:

@@ -433,10 +433,9 @@ def _exit_with_parent() -> None:
 
 
 async def _serve_api(spec: ApiProcessSpec) -> int:
-    from izh.api.app import build_app
     from izh.errors import IzhError
     from izh.frontend.dp_client import start_attached_llm
-    from izh_cli.serve import EXIT_ENGINE_DEAD, _make_server, _uvicorn_config
+    from izh_cli.serve import EXIT_ENGINE_DEAD, _make_server, _uvicorn_config, build_server_app
 
     settings = spec.settings
     s = settings.server
@@ -455,9 +454,7 @@ async def _serve_api(spec: ApiProcessSpec) -> int:
         return EXIT_FAILURE
     server: Any = None
     try:
-        app = build_app(
-            llm, s, limits=settings.limits, rate_limits=settings.rate_limits, api_index=spec.index
-        )
+        app = build_server_app(llm, settings, api_index=spec.index)
         server = _make_server(_uvicorn_config(app, settings), app, llm, s.drain_timeout_s)
         spec.status.send(("ready",))
         await server.serve(sockets=[spec.sock])
