@@ -230,6 +230,23 @@ def _request_error(out: RequestOutput) -> IzhError:
     return IzhError(message)
 
 
+class ForwardToLLM:
+    """A client's callbacks for an AsyncLLM that does not exist yet: they forward once `llm` is set.
+    Until then no request is in flight, so nothing is lost; a death meanwhile is still recorded by the
+    client (is_dead), and the starter checks it."""
+
+    def __init__(self) -> None:
+        self.llm: AsyncLLM | None = None
+
+    def on_outputs(self, msg: EngineOutputs) -> None:
+        if self.llm is not None:
+            self.llm._on_outputs(msg)
+
+    def on_dead(self, reason: str) -> None:
+        if self.llm is not None:
+            self.llm._on_dead(reason)
+
+
 class AsyncLLM:
     """Generate with an engine core in another process (or a thread, for debugging).
 
@@ -303,18 +320,7 @@ class AsyncLLM:
         one (its requests fail; see `_restart_core`). Raises ModelLoadError / EngineDead when the
         core cannot start.
         """
-        llm: AsyncLLM | None = None
-
-        # The client reports through these. Until `llm` exists no request is in flight, so nothing
-        # is lost; a death meanwhile is still recorded by the client (is_dead).
-        def on_outputs(msg: EngineOutputs) -> None:
-            if llm is not None:
-                llm._on_outputs(msg)
-
-        def on_dead(reason: str) -> None:
-            if llm is not None:
-                llm._on_dead(reason)
-
+        forward = ForwardToLLM()
         client_options: dict[str, Any] = {
             "core_mode": core_mode,
             "core_factory": core_factory,
@@ -323,12 +329,14 @@ class AsyncLLM:
             "heartbeat_timeout_s": heartbeat_timeout_s,
         }
         client_task = asyncio.ensure_future(
-            EngineCoreClient.start(config, on_outputs=on_outputs, on_dead=on_dead, **client_options)
+            EngineCoreClient.start(
+                config, on_outputs=forward.on_outputs, on_dead=forward.on_dead, **client_options
+            )
         )
         if tokenizer is None:
             tokenizer = await _load_tokenizer_beside(config.model, client_task)
         client = await client_task
-        llm = cls(
+        llm = forward.llm = cls(
             config,
             tokenizer,
             max_requests_in_flight=max_requests_in_flight,

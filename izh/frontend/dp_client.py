@@ -19,7 +19,7 @@ from typing import Any
 
 from izh.config import EngineConfig
 from izh.errors import EngineDead
-from izh.frontend.async_llm import AsyncLLM, _load_tokenizer_beside
+from izh.frontend.async_llm import AsyncLLM, ForwardToLLM, _load_tokenizer_beside
 from izh.frontend.client import AttachedCore, EngineCoreClient, engine_state
 from izh.frontend.dp_router import Router, affinity_keys
 from izh.frontend.stats import StatLogger
@@ -261,20 +261,12 @@ async def start_attached_llm(
     """An AsyncLLM over running cores (one per entry of `cores`, each with this frontend's place at
     it); loads the tokenizer while they load the model. Raises ModelLoadError / EngineDead as
     AsyncLLM.start does."""
-    llm: AsyncLLM | None = None
+    forward = ForwardToLLM()
     dp: DataParallelClient | None = None
-
-    def on_outputs(msg: EngineOutputs) -> None:
-        if llm is not None:
-            llm._on_outputs(msg)
-
-    def on_dead(reason: str) -> None:
-        if llm is not None:
-            llm._on_dead(reason)
 
     def core_callbacks(k: int) -> dict[str, Any]:
         if len(cores) == 1:
-            return {"on_outputs": on_outputs, "on_dead": on_dead}
+            return {"on_outputs": forward.on_outputs, "on_dead": forward.on_dead}
 
         def outputs(msg: EngineOutputs) -> None:
             if dp is not None:
@@ -300,9 +292,9 @@ async def start_attached_llm(
     clients = (await all_started).clients
     client: EngineCoreClient | DataParallelClient = clients[0]
     if len(clients) > 1:
-        dp = DataParallelClient(clients, on_outputs=on_outputs, on_dead=on_dead)
+        dp = DataParallelClient(clients, on_outputs=forward.on_outputs, on_dead=forward.on_dead)
         client = dp
-    llm = AsyncLLM(
+    llm = forward.llm = AsyncLLM(
         config,
         tokenizer,
         max_requests_in_flight=max_requests_in_flight,
