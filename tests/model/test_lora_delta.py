@@ -46,7 +46,7 @@ def test_delta_equals_the_per_token_reference(case: str, tiny_qwen2_dir: str) ->
     token_slots = [slot for slot, n in segments for _ in range(n)]
     layer = model.model.layers[1]
     qkv = layer.self_attn.qkv_proj
-    x = torch.randn(len(token_slots), qkv.in_features)
+    x = torch.randn(len(token_slots), qkv.in_features, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         base = qkv(x)
         lora.set_batch(segments, [a.rank for a in adapters])
@@ -62,5 +62,8 @@ def test_delta_equals_the_per_token_reference(case: str, tiny_qwen2_dir: str) ->
             if pair is not None:
                 a, b = pair
                 expected[row, start:end] += adapter.scaling * (b @ (a @ x[row]))
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # The deltas are sums of rank x in_features products (values up to ~100): float32 rounding is
+    # relative to that scale, not to each element.
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * scale)
     assert not torch.equal(got, base)

@@ -4,7 +4,7 @@
  *
  * Plain C11 + OpenMP, no torch headers. Each variant has fixed flags (compiler.py, variants.py), e.g. for avx2
  *   gcc -O3 -march=x86-64-v3 -mtune=generic -std=c11 -fPIC -shared -fopenmp -ffp-contract=off
- *       -fno-math-errno ...
+ *       -fno-math-errno -fno-trapping-math ...
  * -ffp-contract=off matters: the float32 rotary kernel must round every product separately (no FMA) to
  * be bit-identical to torch's elementwise ops. Code for an instruction set sits behind its compiler
  * macros (__AVX512F__, __AVX512BF16__, __AMX_TILE__, ...), so every file compiles for every variant, and

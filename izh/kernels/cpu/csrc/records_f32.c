@@ -32,6 +32,7 @@
 #define X8_Q8_RECORD 544
 #define X8_MR 6        /* rows of x per pass over a tile's records (they stay in L1 between passes) */
 #define X8_PREFETCH 8  /* records ahead */
+#define X8_MC 64       /* rows go X8_MC at a time through every tile (a tile's records stay in L1 across them) */
 
 /* Quantizes rows [m0, m1) of x (fp32, row stride xs) to q int8 [M, K] (row stride K), d and e fp32
  * [M, K / 32]: d = max |x| / 127 over the group, q = round-half-even(x * (1 / d)) (0 when d = 0), e = d *
@@ -189,6 +190,66 @@ INLINE void x8_q4_tile_avx2(const int R, const uint8_t *rec, int64_t groups, con
     }
 }
 
+/* Every row of a chunk (up to X8_MC) against one tile of int4 records, a half record (4 blocks, 16
+ * inputs) at a time: the half's codes are unpacked once into 8 registers and stay there while each row
+ * runs its 8 vpmaddubsw. Register pressure decides the speed here (AVX2 has 16 vector registers): the
+ * per-row integer sums and the float accumulators live in two small L1 buffers, and the epilogue is a
+ * second pass over the rows with the record's scales in registers, so no row count spills the codes.
+ * Same integer sums and the same epilogue as above. */
+INLINE __m256i x8_q4_half_avx2(const __m256i *lo, const __m256i *hi, const uint32_t *px) {
+    /* two chains (the low and the high nibbles) so that the adds do not wait on each other */
+    __m256i a = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32((int32_t)px[0]));
+    __m256i b = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32((int32_t)px[1]));
+    for (int k = 1; k < 4; k++) {
+        a = _mm256_add_epi16(a, _mm256_maddubs_epi16(lo[k], _mm256_set1_epi32((int32_t)px[2 * k])));
+        b = _mm256_add_epi16(b, _mm256_maddubs_epi16(hi[k], _mm256_set1_epi32((int32_t)px[2 * k + 1])));
+    }
+    return _mm256_add_epi16(a, b);
+}
+
+static __attribute__((noinline)) void x8_q4_tile_rows_avx2(const uint8_t *rec, int64_t groups, const uint32_t *xp,
+                                                           int64_t K, const float *xd, const float *xe,
+                                                           int64_t rows, float *out, int64_t os) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    __m256i isum[X8_MC][2] __attribute__((aligned(32)));
+    __m256 acc[X8_MC][2] __attribute__((aligned(32)));
+    for (int64_t m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    const int64_t xrow = K / 2;
+    for (int64_t g = 0; g < groups; g++, rec += X8_Q4_RECORD) {
+        for (int c = 0; c < X8_Q4_RECORD; c += 64) _mm_prefetch((const char *)rec + X8_PREFETCH * X8_Q4_RECORD + c, _MM_HINT_T0);
+        for (int half = 0; half < 2; half++) {
+            __m256i lo[4], hi[4];
+            for (int b = 0; b < 4; b++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 32 * (4 * half + b)));
+                lo[b] = _mm256_and_si256(w, nib);
+                hi[b] = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);
+            }
+            const uint32_t *px = xp + 16 * g + 8 * half; /* inputs 16 half .. 16 half + 15 of row 0 */
+            if (half == 0) {
+                for (int64_t m = 0; m < rows; m++, px += xrow) {
+                    const __m256i s16 = x8_q4_half_avx2(lo, hi, px);
+                    isum[m][0] = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16));
+                    isum[m][1] = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16, 1));
+                }
+            } else {
+                for (int64_t m = 0; m < rows; m++, px += xrow) {
+                    const __m256i s16 = x8_q4_half_avx2(lo, hi, px);
+                    isum[m][0] = _mm256_add_epi32(isum[m][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16)));
+                    isum[m][1] = _mm256_add_epi32(isum[m][1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16, 1)));
+                }
+            }
+        }
+        const __m256 s0 = x8_bf16x8(rec + 256), s1 = x8_bf16x8(rec + 272);
+        const __m256 mn[2] = {x8_bf16x8(rec + 288), x8_bf16x8(rec + 304)};
+        for (int64_t m = 0; m < rows; m++)
+            x8_epilogue_avx2(acc[m], isum[m][0], isum[m][1], s0, s1, mn, xd[m * groups + g], xe[m * groups + g]);
+    }
+    for (int64_t m = 0; m < rows; m++) {
+        _mm256_storeu_ps(out + m * os, acc[m][0]);
+        _mm256_storeu_ps(out + m * os + 8, acc[m][1]);
+    }
+}
+
 /* R rows of x against one tile of int8 records. Inputs k, k+1 are interleaved into 16-bit row pairs by
  * unpacking, which orders the rows 0-3, 8-11 | 4-7, 12-15 across the two halves: the scales are put in the
  * same order and the result is put back at the end. */
@@ -220,6 +281,55 @@ INLINE void x8_q8_tile_avx2(const int R, const uint8_t *rec, int64_t groups, con
     }
 }
 
+/* Every row of a chunk against one tile of int8 records, the same way as x8_q4_tile_rows_avx2: a
+ * quarter record (8 inputs, as 4 pairs widened to 16 bits) in 8 registers while each row runs its 8
+ * vpmaddwd, the per-row sums and accumulators in L1, the epilogue a pass of its own. */
+static __attribute__((noinline)) void x8_q8_tile_rows_avx2(const uint8_t *rec, int64_t groups, const uint32_t *xp,
+                                                           int64_t K, const float *xd, int64_t rows, float *out,
+                                                           int64_t os) {
+    __m256i isum[X8_MC][2] __attribute__((aligned(32)));
+    __m256 acc[X8_MC][2] __attribute__((aligned(32)));
+    for (int64_t m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    const int64_t xrow = K / 2;
+    for (int64_t g = 0; g < groups; g++, rec += X8_Q8_RECORD) {
+        for (int c = 0; c < X8_Q8_RECORD; c += 64) _mm_prefetch((const char *)rec + X8_PREFETCH * X8_Q8_RECORD + c, _MM_HINT_T0);
+        for (int quarter = 0; quarter < 4; quarter++) {
+            __m256i a[4], b[4];
+            for (int j = 0; j < 4; j++) {
+                const int k = 8 * quarter + 2 * j;
+                const __m256i wk = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rec + 16 * k)));
+                const __m256i wk1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rec + 16 * k + 16)));
+                a[j] = _mm256_unpacklo_epi16(wk, wk1);
+                b[j] = _mm256_unpackhi_epi16(wk, wk1);
+            }
+            const uint32_t *px = xp + 16 * g + 4 * quarter;
+            for (int64_t m = 0; m < rows; m++, px += xrow) {
+                __m256i p = _mm256_set1_epi32((int32_t)px[0]);
+                __m256i i0 = _mm256_madd_epi16(a[0], p), i1 = _mm256_madd_epi16(b[0], p);
+                for (int j = 1; j < 4; j++) {
+                    p = _mm256_set1_epi32((int32_t)px[j]);
+                    i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(a[j], p));
+                    i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(b[j], p));
+                }
+                if (quarter) {
+                    i0 = _mm256_add_epi32(isum[m][0], i0);
+                    i1 = _mm256_add_epi32(isum[m][1], i1);
+                }
+                isum[m][0] = i0;
+                isum[m][1] = i1;
+            }
+        }
+        const __m256 n0 = x8_bf16x8(rec + 512), n1 = x8_bf16x8(rec + 528);
+        const __m256 s0 = _mm256_permute2f128_ps(n0, n1, 0x20), s1 = _mm256_permute2f128_ps(n0, n1, 0x31);
+        for (int64_t m = 0; m < rows; m++)
+            x8_epilogue_avx2(acc[m], isum[m][0], isum[m][1], s0, s1, NULL, xd[m * groups + g], 0.0f);
+    }
+    for (int64_t m = 0; m < rows; m++) {
+        _mm256_storeu_ps(out + m * os, _mm256_permute2f128_ps(acc[m][0], acc[m][1], 0x20));
+        _mm256_storeu_ps(out + m * os + 8, _mm256_permute2f128_ps(acc[m][0], acc[m][1], 0x31));
+    }
+}
+
 #define DEFINE_X8_TILE(R)                                                                                     \
     static __attribute__((noinline)) void x8_tile_avx2_##R(const int q8, const uint8_t *tile, int64_t groups, \
                                                            const uint32_t *xp, int64_t K, const float *xd,   \
@@ -239,6 +349,13 @@ DEFINE_X8_TILE(6)
 static void x8_tile(const int q8, const uint8_t *tile, int64_t groups, const int8_t *xq, const uint32_t *xp,
                     int64_t K, const float *xd, const float *xe, int64_t rows, float *out, int64_t os) {
     (void)xq;
+    if (rows > 2) {
+        if (q8)
+            x8_q8_tile_rows_avx2(tile, groups, xp, K, xd, rows, out, os);
+        else
+            x8_q4_tile_rows_avx2(tile, groups, xp, K, xd, xe, rows, out, os);
+        return;
+    }
     /* Blocks of nearly equal size (8 rows: 4 + 4, not 6 + 2): each pass unpacks the tile's codes again. */
     const int64_t blocks = (rows + X8_MR - 1) / X8_MR;
     for (int64_t b = 0, m0 = 0; b < blocks; b++) {
@@ -278,8 +395,6 @@ static __attribute__((unused)) void x8_pairs(const int q8, const int8_t *q, int6
     }
 }
 
-/* Rows go X8_MC at a time through every tile (a tile's records stay in L1 across the rows). */
-#define X8_MC 64
 
 static void x8_tiles(const int q8, const uint8_t *w, int64_t M, int64_t K, int64_t t0, int64_t t1,
                      const int8_t *xq, const uint32_t *xp, const float *xd, const float *xe, float *out,
