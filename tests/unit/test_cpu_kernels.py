@@ -435,7 +435,12 @@ def test_variant_flags() -> None:
     def flags(name: str, machine: str = "x86_64") -> list[str]:
         return B.compile_command(name, "o", ["s.c"], machine=machine, torch_gomp=False)
 
-    assert flags("generic")[: len(B.BASE_CFLAGS) + 3] == ["gcc", *B.BASE_CFLAGS, "-march=x86-64", "-mtune=generic"]
+    assert flags("generic")[: len(B.BASE_CFLAGS) + 3] == [
+        "gcc",
+        *B.BASE_CFLAGS,
+        "-march=x86-64",
+        "-mtune=generic",
+    ]
     assert "-march=x86-64-v3" in flags("avx2") and "-march=native" not in flags("avx2")
     assert {"-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mprefer-vector-width=512"} <= set(
         flags("avx512")
