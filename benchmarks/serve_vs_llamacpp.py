@@ -117,16 +117,22 @@ def main() -> None:
     procs = []
     runs: list[dict] = []
     try:
-        started: list[tuple[str, list[str], int, dict[str, str] | None]] = [("izh", izh_cmd, izh_port, None)]
+        started: list[tuple[str, list[str], int, dict[str, str] | None, str | None]] = [
+            ("izh", izh_cmd, izh_port, None, None)
+        ]
         if args.baseline:
-            started.append(("izh@base", base_cmd, base_port, base_env))
+            # Started from the baseline's folder: `python -m` puts the working directory first on
+            # sys.path, ahead of PYTHONPATH, so from here it would import this checkout's izh.
+            started.append(("izh@base", base_cmd, base_port, base_env, str(Path(args.baseline).resolve())))
         if not args.izh_only:
-            started.append(("llama.cpp", llama_cmd, llama_port, None))
+            started.append(("llama.cpp", llama_cmd, llama_port, None, None))
         servers = {}
-        for name, cmd, port, env in started:
+        for name, cmd, port, env, cwd in started:
             log = open(f"/tmp/serve_vs_llamacpp-{port}.log", "wb")  # noqa: SIM115
             procs.append(
-                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+                subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd
+                )
             )
             wait_ok(f"http://127.0.0.1:{port}/health", procs[-1])
             servers[name] = f"http://127.0.0.1:{port}/v1"

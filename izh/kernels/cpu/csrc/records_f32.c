@@ -30,7 +30,6 @@
 
 #define X8_Q4_RECORD 320
 #define X8_Q8_RECORD 544
-#define X8_MR 6        /* rows of x per pass over a tile's records (they stay in L1 between passes) */
 #define X8_PREFETCH 8  /* records ahead */
 #define X8_MC 64       /* rows go X8_MC at a time through every tile (a tile's records stay in L1 across them) */
 
@@ -149,24 +148,24 @@ INLINE void x8_epilogue_avx2(__m256 *acc, __m256i i0, __m256i i1, __m256 s0, __m
 }
 
 /* R rows of x against one tile of int4 records. */
-INLINE void x8_q4_tile_avx2(const int R, const uint8_t *rec, int64_t groups, const uint32_t *xp, int64_t K,
+INLINE void x8_q4_tile_avx2(const int R, const uint8_t *rec, int64_t groups, const uint32_t *xp, int64_t xgs,
                             const float *xd, const float *xe, float *out, int64_t os) {
     const __m256i nib = _mm256_set1_epi8(0x0F);
-    __m256 acc[X8_MR][2];
+    __m256 acc[2][2];
     for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++, rec += X8_Q4_RECORD) {
         for (int c = 0; c < X8_Q4_RECORD; c += 64) _mm_prefetch((const char *)rec + X8_PREFETCH * X8_Q4_RECORD + c, _MM_HINT_T0);
-        __m256i i0[X8_MR], i1[X8_MR];
+        __m256i i0[2], i1[2];
         for (int m = 0; m < R; m++) i0[m] = i1[m] = _mm256_setzero_si256();
         for (int half = 0; half < 2; half++) {
             /* 4 blocks: |sum| <= 8 * 15 * 127 * 2 < 32768, so int16 lanes hold it */
-            __m256i s16[X8_MR];
+            __m256i s16[2];
             for (int m = 0; m < R; m++) s16[m] = _mm256_setzero_si256();
             for (int b = 4 * half; b < 4 * half + 4; b++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 32 * b));
                 const __m256i lo = _mm256_and_si256(w, nib), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);
                 for (int m = 0; m < R; m++) {
-                    const uint32_t *pm = xp + m * (K / 2) + 16 * g + 2 * b; /* inputs 4b, 4b+1 | 4b+2, 4b+3 */
+                    const uint32_t *pm = xp + g * xgs + 16 * m + 2 * b; /* inputs 4b, 4b+1 | 4b+2, 4b+3 */
                     const __m256i xlo = _mm256_set1_epi32((int32_t)pm[0]), xhi = _mm256_set1_epi32((int32_t)pm[1]);
                     s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(lo, xlo));
                     s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(hi, xhi));
@@ -208,13 +207,12 @@ INLINE __m256i x8_q4_half_avx2(const __m256i *lo, const __m256i *hi, const uint3
 }
 
 static __attribute__((noinline)) void x8_q4_tile_rows_avx2(const uint8_t *rec, int64_t groups, const uint32_t *xp,
-                                                           int64_t K, const float *xd, const float *xe,
+                                                           int64_t xgs, const float *xd, const float *xe,
                                                            int64_t rows, float *out, int64_t os) {
     const __m256i nib = _mm256_set1_epi8(0x0F);
     __m256i isum[X8_MC][2] __attribute__((aligned(32)));
     __m256 acc[X8_MC][2] __attribute__((aligned(32)));
     for (int64_t m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    const int64_t xrow = K / 2;
     for (int64_t g = 0; g < groups; g++, rec += X8_Q4_RECORD) {
         for (int c = 0; c < X8_Q4_RECORD; c += 64) _mm_prefetch((const char *)rec + X8_PREFETCH * X8_Q4_RECORD + c, _MM_HINT_T0);
         for (int half = 0; half < 2; half++) {
@@ -224,15 +222,15 @@ static __attribute__((noinline)) void x8_q4_tile_rows_avx2(const uint8_t *rec, i
                 lo[b] = _mm256_and_si256(w, nib);
                 hi[b] = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);
             }
-            const uint32_t *px = xp + 16 * g + 8 * half; /* inputs 16 half .. 16 half + 15 of row 0 */
+            const uint32_t *px = xp + g * xgs + 8 * half; /* inputs 16 half .. 16 half + 15 of row 0 */
             if (half == 0) {
-                for (int64_t m = 0; m < rows; m++, px += xrow) {
+                for (int64_t m = 0; m < rows; m++, px += 16) {
                     const __m256i s16 = x8_q4_half_avx2(lo, hi, px);
                     isum[m][0] = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16));
                     isum[m][1] = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16, 1));
                 }
             } else {
-                for (int64_t m = 0; m < rows; m++, px += xrow) {
+                for (int64_t m = 0; m < rows; m++, px += 16) {
                     const __m256i s16 = x8_q4_half_avx2(lo, hi, px);
                     isum[m][0] = _mm256_add_epi32(isum[m][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16)));
                     isum[m][1] = _mm256_add_epi32(isum[m][1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16, 1)));
@@ -253,20 +251,20 @@ static __attribute__((noinline)) void x8_q4_tile_rows_avx2(const uint8_t *rec, i
 /* R rows of x against one tile of int8 records. Inputs k, k+1 are interleaved into 16-bit row pairs by
  * unpacking, which orders the rows 0-3, 8-11 | 4-7, 12-15 across the two halves: the scales are put in the
  * same order and the result is put back at the end. */
-INLINE void x8_q8_tile_avx2(const int R, const uint8_t *rec, int64_t groups, const uint32_t *xp, int64_t K,
+INLINE void x8_q8_tile_avx2(const int R, const uint8_t *rec, int64_t groups, const uint32_t *xp, int64_t xgs,
                             const float *xd, float *out, int64_t os) {
-    __m256 acc[X8_MR][2];
+    __m256 acc[2][2];
     for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++, rec += X8_Q8_RECORD) {
         for (int c = 0; c < X8_Q8_RECORD; c += 64) _mm_prefetch((const char *)rec + X8_PREFETCH * X8_Q8_RECORD + c, _MM_HINT_T0);
-        __m256i i0[X8_MR], i1[X8_MR];
+        __m256i i0[2], i1[2];
         for (int m = 0; m < R; m++) i0[m] = i1[m] = _mm256_setzero_si256();
         for (int k = 0; k < 32; k += 2) {
             const __m256i wk = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rec + 16 * k)));
             const __m256i wk1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rec + 16 * k + 16)));
             const __m256i a = _mm256_unpacklo_epi16(wk, wk1), b = _mm256_unpackhi_epi16(wk, wk1);
             for (int m = 0; m < R; m++) {
-                const __m256i pair = _mm256_set1_epi32((int32_t)xp[m * (K / 2) + 16 * g + k / 2]);
+                const __m256i pair = _mm256_set1_epi32((int32_t)xp[g * xgs + 16 * m + k / 2]);
                 i0[m] = _mm256_add_epi32(i0[m], _mm256_madd_epi16(a, pair));
                 i1[m] = _mm256_add_epi32(i1[m], _mm256_madd_epi16(b, pair));
             }
@@ -285,12 +283,11 @@ INLINE void x8_q8_tile_avx2(const int R, const uint8_t *rec, int64_t groups, con
  * quarter record (8 inputs, as 4 pairs widened to 16 bits) in 8 registers while each row runs its 8
  * vpmaddwd, the per-row sums and accumulators in L1, the epilogue a pass of its own. */
 static __attribute__((noinline)) void x8_q8_tile_rows_avx2(const uint8_t *rec, int64_t groups, const uint32_t *xp,
-                                                           int64_t K, const float *xd, int64_t rows, float *out,
+                                                           int64_t xgs, const float *xd, int64_t rows, float *out,
                                                            int64_t os) {
     __m256i isum[X8_MC][2] __attribute__((aligned(32)));
     __m256 acc[X8_MC][2] __attribute__((aligned(32)));
     for (int64_t m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    const int64_t xrow = K / 2;
     for (int64_t g = 0; g < groups; g++, rec += X8_Q8_RECORD) {
         for (int c = 0; c < X8_Q8_RECORD; c += 64) _mm_prefetch((const char *)rec + X8_PREFETCH * X8_Q8_RECORD + c, _MM_HINT_T0);
         for (int quarter = 0; quarter < 4; quarter++) {
@@ -302,8 +299,8 @@ static __attribute__((noinline)) void x8_q8_tile_rows_avx2(const uint8_t *rec, i
                 a[j] = _mm256_unpacklo_epi16(wk, wk1);
                 b[j] = _mm256_unpackhi_epi16(wk, wk1);
             }
-            const uint32_t *px = xp + 16 * g + 4 * quarter;
-            for (int64_t m = 0; m < rows; m++, px += xrow) {
+            const uint32_t *px = xp + g * xgs + 4 * quarter;
+            for (int64_t m = 0; m < rows; m++, px += 16) {
                 __m256i p = _mm256_set1_epi32((int32_t)px[0]);
                 __m256i i0 = _mm256_madd_epi16(a[0], p), i1 = _mm256_madd_epi16(b[0], p);
                 for (int j = 1; j < 4; j++) {
@@ -332,70 +329,60 @@ static __attribute__((noinline)) void x8_q8_tile_rows_avx2(const uint8_t *rec, i
 
 #define DEFINE_X8_TILE(R)                                                                                     \
     static __attribute__((noinline)) void x8_tile_avx2_##R(const int q8, const uint8_t *tile, int64_t groups, \
-                                                           const uint32_t *xp, int64_t K, const float *xd,   \
+                                                           const uint32_t *xp, int64_t xgs, const float *xd, \
                                                            const float *xe, float *out, int64_t os) {        \
         if (q8)                                                                                               \
-            x8_q8_tile_avx2(R, tile, groups, xp, K, xd, out, os);                                             \
+            x8_q8_tile_avx2(R, tile, groups, xp, xgs, xd, out, os);                                           \
         else                                                                                                  \
-            x8_q4_tile_avx2(R, tile, groups, xp, K, xd, xe, out, os);                                         \
+            x8_q4_tile_avx2(R, tile, groups, xp, xgs, xd, xe, out, os);                                       \
     }
 DEFINE_X8_TILE(1)
 DEFINE_X8_TILE(2)
-DEFINE_X8_TILE(3)
-DEFINE_X8_TILE(4)
-DEFINE_X8_TILE(5)
-DEFINE_X8_TILE(6)
 
+/* One or two rows keep everything in registers; from three on, the rows kernels. */
 static void x8_tile(const int q8, const uint8_t *tile, int64_t groups, const int8_t *xq, const uint32_t *xp,
-                    int64_t K, const float *xd, const float *xe, int64_t rows, float *out, int64_t os) {
+                    int64_t K, int64_t xgs, const float *xd, const float *xe, int64_t rows, float *out, int64_t os) {
     (void)xq;
-    if (rows > 2) {
-        if (q8)
-            x8_q8_tile_rows_avx2(tile, groups, xp, K, xd, rows, out, os);
-        else
-            x8_q4_tile_rows_avx2(tile, groups, xp, K, xd, xe, rows, out, os);
-        return;
-    }
-    /* Blocks of nearly equal size (8 rows: 4 + 4, not 6 + 2): each pass unpacks the tile's codes again. */
-    const int64_t blocks = (rows + X8_MR - 1) / X8_MR;
-    for (int64_t b = 0, m0 = 0; b < blocks; b++) {
-        const int64_t R = (rows - m0 + (blocks - b) - 1) / (blocks - b);
-        const uint32_t *q = xp + m0 * (K / 2);
-        const float *d = xd + m0 * groups, *e = xe + m0 * groups;
-        float *o = out + m0 * os;
-        switch (R) {
-        case 1: x8_tile_avx2_1(q8, tile, groups, q, K, d, e, o, os); break;
-        case 2: x8_tile_avx2_2(q8, tile, groups, q, K, d, e, o, os); break;
-        case 3: x8_tile_avx2_3(q8, tile, groups, q, K, d, e, o, os); break;
-        case 4: x8_tile_avx2_4(q8, tile, groups, q, K, d, e, o, os); break;
-        case 5: x8_tile_avx2_5(q8, tile, groups, q, K, d, e, o, os); break;
-        default: x8_tile_avx2_6(q8, tile, groups, q, K, d, e, o, os); break;
-        }
-        m0 += R;
-    }
+    (void)K;
+    if (rows == 1)
+        x8_tile_avx2_1(q8, tile, groups, xp, xgs, xd, xe, out, os);
+    else if (rows == 2)
+        x8_tile_avx2_2(q8, tile, groups, xp, xgs, xd, xe, out, os);
+    else if (q8)
+        x8_q8_tile_rows_avx2(tile, groups, xp, xgs, xd, rows, out, os);
+    else
+        x8_q4_tile_rows_avx2(tile, groups, xp, xgs, xd, xe, rows, out, os);
 }
 #elif defined(__ARM_NEON)
 #include "records_neon.h" /* x8_tile for NEON */
 #else
 static void x8_tile(const int q8, const uint8_t *tile, int64_t groups, const int8_t *xq, const uint32_t *xp,
-                    int64_t K, const float *xd, const float *xe, int64_t rows, float *out, int64_t os) {
+                    int64_t K, int64_t xgs, const float *xd, const float *xe, int64_t rows, float *out, int64_t os) {
     (void)xp;
+    (void)xgs;
     x8_tile_c(q8, tile, groups, xq, K, xd, xe, rows, out, os);
 }
 #endif
 
 /* Each two neighbouring codes of x as one 32-bit word that a broadcast turns into the vector operand of
  * the AVX2 tiles: for int4 records the two bytes twice (vpmaddubsw pairs bytes), for int8 records the
- * two codes as 16-bit numbers (vpmaddwd pairs 16-bit lanes). */
-static __attribute__((unused)) void x8_pairs(const int q8, const int8_t *q, int64_t n, uint32_t *p) {
-    for (int64_t i = 0; i + 1 < n; i += 2) {
-        const uint32_t a = (uint8_t)q[i], b = (uint8_t)q[i + 1];
-        const uint32_t a16 = (uint16_t)(int16_t)q[i], b16 = (uint16_t)(int16_t)q[i + 1];
-        p[i / 2] = q8 ? a16 | b16 << 16 : (a | b << 8) * 0x00010001u;
-    }
+ * two codes as 16-bit numbers (vpmaddwd pairs 16-bit lanes). Group-major, [groups][M][16]: the rows
+ * kernels read one group of every row in turn, so those 64-byte pieces lie next to each other. */
+static __attribute__((unused)) void x8_pairs(const int q8, const int8_t *q, int64_t M, int64_t K, uint32_t *p) {
+    const int64_t groups = K / 32;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const int8_t *qg = q + m * K + 32 * g;
+            uint32_t *pg = p + (g * M + m) * 16;
+            for (int i = 0; i < 16; i++) {
+                const uint32_t a = (uint8_t)qg[2 * i], b = (uint8_t)qg[2 * i + 1];
+                const uint32_t a16 = (uint16_t)(int16_t)qg[2 * i], b16 = (uint16_t)(int16_t)qg[2 * i + 1];
+                pg[i] = q8 ? a16 | b16 << 16 : (a | b << 8) * 0x00010001u;
+            }
+        }
 }
 
-
+/* Rows go X8_MC at a time through every tile (a tile's records stay in L1 across the rows). */
 static void x8_tiles(const int q8, const uint8_t *w, int64_t M, int64_t K, int64_t t0, int64_t t1,
                      const int8_t *xq, const uint32_t *xp, const float *xd, const float *xe, float *out,
                      int64_t os) {
@@ -405,21 +392,39 @@ static void x8_tiles(const int q8, const uint8_t *w, int64_t M, int64_t K, int64
         for (int64_t t = t0; t < t1; t++) {
             const uint8_t *tile = w + t * groups * record;
             const int8_t *q = xq + m0 * K;
-            const uint32_t *p = xp + m0 * (K / 2);
+            const uint32_t *p = xp + 16 * m0;
             const float *d = xd + m0 * groups, *e = xe + m0 * groups;
             float *o = out + m0 * os + 16 * t;
-            x8_tile(q8, tile, groups, q, p, K, d, e, mc, o, os);
+            x8_tile(q8, tile, groups, q, p, K, 16 * M, d, e, mc, o, os);
         }
     }
+}
+
+/* The quantized activations' buffer: kept per calling thread up to X8_KEEP bytes (a decode or prefill
+ * step's sizes), so that a step's hundred matmuls do not each map, fault in and unmap fresh pages
+ * (glibc serves blocks over 128 KiB with mmap); larger ones are allocated per call. */
+#define X8_KEEP ((size_t)4 << 20)
+static __thread char *x8_kept;
+static __thread size_t x8_kept_size;
+
+static char *x8_buffer(size_t size) {
+    if (size > X8_KEEP) return (char *)malloc(size);
+    if (size > x8_kept_size) {
+        free(x8_kept);
+        x8_kept = (char *)malloc(X8_KEEP);
+        x8_kept_size = x8_kept ? X8_KEEP : 0;
+    }
+    return x8_kept;
 }
 
 static int x8_gemm(const int q8, const float *x, int64_t xs, const uint8_t *w, int64_t M, int64_t N, int64_t K,
                    float *out, int64_t os, int nt) {
     if (M < 1 || N <= 0 || K <= 0 || N % 16 || K % 32) return -1;
     const int64_t groups = K / 32, tiles = N / 16;
-    /* q int8 [M, K]; the same codes as broadcast-ready pairs (x8_pairs) [M, K / 2]; d, e [M, groups] */
-    char *buf = (char *)malloc((size_t)(M * K) + sizeof(uint32_t) * (size_t)(M * K / 2) +
-                               2 * sizeof(float) * (size_t)(M * groups) + 64);
+    /* q int8 [M, K]; the same codes as broadcast-ready pairs (x8_pairs) [groups, M, 16]; d, e [M, groups] */
+    const size_t size = (size_t)(M * K) + sizeof(uint32_t) * (size_t)(M * K / 2) +
+                        2 * sizeof(float) * (size_t)(M * groups) + 64;
+    char *buf = x8_buffer(size);
     if (!buf) return -4;
     int8_t *xq = (int8_t *)buf;
     uint32_t *xp = (uint32_t *)(((uintptr_t)(buf + M * K) + 63) & ~(uintptr_t)63);
@@ -427,7 +432,7 @@ static int x8_gemm(const int q8, const float *x, int64_t xs, const uint8_t *w, i
     /* Quantizing x is ~1% of the work: done here, it saves the team a barrier (costly on a busy machine). */
     x8_quantize_rows(x, xs, 0, M, K, xq, xd, xe);
 #if defined(__AVX2__)
-    x8_pairs(q8, xq, M * K, xp);
+    x8_pairs(q8, xq, M, K, xp);
 #endif
     if (nt <= 1 || tiles < 2) {
         x8_tiles(q8, w, M, K, 0, tiles, xq, xp, xd, xe, out, os);
@@ -438,7 +443,7 @@ static int x8_gemm(const int q8, const float *x, int64_t xs, const uint8_t *w, i
             x8_tiles(q8, w, M, K, tiles * me / team, tiles * (me + 1) / team, xq, xp, xd, xe, out, os);
         }
     }
-    free(buf);
+    if (buf != x8_kept) free(buf);
     return 0;
 }
 

@@ -20,8 +20,9 @@
 #define X8_NEON_MR 4 /* rows of x per pass over a tile (R = 1..4 below) */
 #if !defined(__aarch64__) /* 32-bit ARM: the A64-only intrinsics below are missing; the portable tile */
 static void x8_tile(const int q8, const uint8_t *tile, int64_t groups, const int8_t *xq, const uint32_t *xp,
-                    int64_t K, const float *xd, const float *xe, int64_t rows, float *out, int64_t os) {
+                    int64_t K, int64_t xgs, const float *xd, const float *xe, int64_t rows, float *out, int64_t os) {
     (void)xp; /* the AVX2 tiles' broadcast-ready pairs */
+    (void)xgs;
     x8_tile_c(q8, tile, groups, xq, K, xd, xe, rows, out, os);
 }
 #else
@@ -149,8 +150,9 @@ DEFINE_X8_TILE_NEON(3)
 DEFINE_X8_TILE_NEON(4)
 
 static void x8_tile(const int q8, const uint8_t *tile, int64_t groups, const int8_t *xq, const uint32_t *xp,
-                    int64_t K, const float *xd, const float *xe, int64_t rows, float *out, int64_t os) {
+                    int64_t K, int64_t xgs, const float *xd, const float *xe, int64_t rows, float *out, int64_t os) {
     (void)xp; /* the AVX2 tiles' broadcast-ready pairs */
+    (void)xgs;
     for (int64_t m0 = 0; m0 < rows; m0 += X8_NEON_MR) {
         const int64_t R = rows - m0 < X8_NEON_MR ? rows - m0 : X8_NEON_MR;
         const int8_t *q = xq + m0 * K;
