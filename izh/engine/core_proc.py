@@ -19,6 +19,7 @@ supervisor, which stops the whole server when an API process dies, stops the cor
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import logging
 import os
@@ -321,6 +322,12 @@ class EngineCoreProc:
         if core is None:
             return 0
         self.core, self._has_core = core, True
+        if threading.current_thread() is threading.main_thread():
+            # What the start-up made (modules, tokenizer tables, tensors' wrappers) lives as long as the
+            # process: frozen, the collector stops walking it at every full collection between steps.
+            # Only in the core's own process: a core on a thread would freeze its host's objects too.
+            gc.collect()
+            gc.freeze()
         try:
             self._send_outputs([], force_stats=True)  # the frontend has a snapshot from the start
             self._busy_loop()
