@@ -409,10 +409,11 @@ static __thread size_t x8_kept_size;
 
 static char *x8_buffer(size_t size) {
     if (size > X8_KEEP) return (char *)malloc(size);
-    if (size > x8_kept_size) {
+    if (size > x8_kept_size) { /* grown to what the steps use, never past X8_KEEP */
+        const size_t grown = (size + 0xFFFF) & ~(size_t)0xFFFF;
         free(x8_kept);
-        x8_kept = (char *)malloc(X8_KEEP);
-        x8_kept_size = x8_kept ? X8_KEEP : 0;
+        x8_kept = (char *)malloc(grown < X8_KEEP ? grown : X8_KEEP);
+        x8_kept_size = x8_kept ? (grown < X8_KEEP ? grown : X8_KEEP) : 0;
     }
     return x8_kept;
 }
