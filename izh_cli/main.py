@@ -14,7 +14,7 @@ from typer.core import TyperGroup
 from izh import __version__
 
 if TYPE_CHECKING:
-    from typer._click import Command  # Typer's vendored click: the type its builders return
+    from typer._click import Command, Context  # Typer's vendored click: the types its group uses
 
 # Command name -> "module:attribute" (a command function, or a Typer app for a group), in help order.
 COMMANDS = {
@@ -44,10 +44,10 @@ def _build_command(name: str, target: str) -> Command:
 class LazyCommands(TyperGroup):
     """The root group: each command's module is imported the first time the command is looked up."""
 
-    def list_commands(self, ctx: typer.Context) -> list[str]:
+    def list_commands(self, ctx: Context) -> list[str]:
         return [*COMMANDS, *(name for name in super().list_commands(ctx) if name not in COMMANDS)]
 
-    def get_command(self, ctx: typer.Context, cmd_name: str) -> Command | None:
+    def get_command(self, ctx: Context, cmd_name: str) -> Command | None:
         if cmd_name not in self.commands and cmd_name in COMMANDS:
             self.commands[cmd_name] = _build_command(cmd_name, COMMANDS[cmd_name])
         return super().get_command(ctx, cmd_name)

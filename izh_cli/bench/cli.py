@@ -503,9 +503,10 @@ def _first_model(server: dict[str, Any]) -> str:
 def _run_config(options: BenchOptions, model: str, urls: Any) -> RunConfig:
     from izh_cli.bench.runner import RunConfig
 
+    endpoint: Literal["chat", "completions"] = "chat" if options.endpoint == "chat" else "completions"
     return RunConfig(
-        url=urls.chat if options.endpoint == "chat" else urls.completions,
-        endpoint=options.endpoint,
+        url=urls.chat if endpoint == "chat" else urls.completions,
+        endpoint=endpoint,
         model=model,
         concurrency=options.levels[0],
         duration_s=options.duration_s,

@@ -69,7 +69,8 @@ def git_sha(cwd: Path | None = None) -> str | None:
 def cpu_model_and_flags() -> tuple[str, list[str]]:
     """The CPU's model name and feature flags, from the first processor of /proc/cpuinfo (x86 `flags`,
     ARM `Features`); the platform's processor name and no flags where there is no such file."""
-    model, flags = "", []
+    model: str = ""
+    flags: list[str] = []
     try:
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
             key, _, value = line.partition(":")
