@@ -31,7 +31,7 @@
 #define X8_Q4_RECORD 320
 #define X8_Q8_RECORD 544
 #define X8_PREFETCH 8  /* records ahead */
-#define X8_MC 64       /* rows go X8_MC at a time through every tile (a tile's records stay in L1 across them) */
+#define X8_MC 64       /* rows per chunk (x8_tiles); the rows kernels' L1 buffers hold this many */
 
 /* Quantizes rows [m0, m1) of x (fp32, row stride xs) to q int8 [M, K] (row stride K), d and e fp32
  * [M, K / 32]: d = max |x| / 127 over the group, q = round-half-even(x * (1 / d)) (0 when d = 0), e = d *
@@ -223,18 +223,16 @@ static __attribute__((noinline)) void x8_q4_tile_rows_avx2(const uint8_t *rec, i
                 hi[b] = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);
             }
             const uint32_t *px = xp + g * xgs + 8 * half; /* inputs 16 half .. 16 half + 15 of row 0 */
-            if (half == 0) {
-                for (int64_t m = 0; m < rows; m++, px += 16) {
-                    const __m256i s16 = x8_q4_half_avx2(lo, hi, px);
-                    isum[m][0] = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16));
-                    isum[m][1] = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16, 1));
+            for (int64_t m = 0; m < rows; m++, px += 16) {
+                const __m256i s16 = x8_q4_half_avx2(lo, hi, px);
+                __m256i i0 = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16));
+                __m256i i1 = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16, 1));
+                if (half) {
+                    i0 = _mm256_add_epi32(isum[m][0], i0);
+                    i1 = _mm256_add_epi32(isum[m][1], i1);
                 }
-            } else {
-                for (int64_t m = 0; m < rows; m++, px += 16) {
-                    const __m256i s16 = x8_q4_half_avx2(lo, hi, px);
-                    isum[m][0] = _mm256_add_epi32(isum[m][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16)));
-                    isum[m][1] = _mm256_add_epi32(isum[m][1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16, 1)));
-                }
+                isum[m][0] = i0;
+                isum[m][1] = i1;
             }
         }
         const __m256 s0 = x8_bf16x8(rec + 256), s1 = x8_bf16x8(rec + 272);
@@ -409,11 +407,11 @@ static __thread size_t x8_kept_size;
 
 static char *x8_buffer(size_t size) {
     if (size > X8_KEEP) return (char *)malloc(size);
-    if (size > x8_kept_size) { /* grown to what the steps use, never past X8_KEEP */
+    if (size > x8_kept_size) { /* grown to what the steps use: 64 KiB steps, so never past X8_KEEP */
         const size_t grown = (size + 0xFFFF) & ~(size_t)0xFFFF;
         free(x8_kept);
-        x8_kept = (char *)malloc(grown < X8_KEEP ? grown : X8_KEEP);
-        x8_kept_size = x8_kept ? (grown < X8_KEEP ? grown : X8_KEEP) : 0;
+        x8_kept = (char *)malloc(grown);
+        x8_kept_size = x8_kept ? grown : 0;
     }
     return x8_kept;
 }
