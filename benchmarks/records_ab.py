@@ -26,10 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.qgemm import HEAD_SHAPE, LAYER_SHAPES  # noqa: E402
 from izh.model.packed import quantize_q4_records, quantize_q8_records  # noqa: E402
 
-LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
-HEAD_SHAPE = (49152, 576)
 _ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p]
 
 
