@@ -12,10 +12,8 @@ from typing import Any
 
 from izh.config import EngineConfig
 from izh.engine.core import EngineCore
-from izh.engine_messages import AddRequest
 from izh.errors import InvalidRequest, LoraAdapterError
-from izh.frontend.image_processor import check_no_image_placeholders
-from izh.frontend.input_processor import validate_request
+from izh.frontend.input_processor import ModelFacts, process_request
 from izh.frontend.output_processor import OutputProcessor, PositionLogprobs, RequestState
 from izh.pooling_params import PoolingParams, embedding_floats
 from izh.sampling_params import SamplingParams
@@ -108,6 +106,17 @@ class LLM:
         self._processor = OutputProcessor(self.tokenizer)
         self._states: dict[str, RequestState] = {}
         self._counter = itertools.count()
+        info = self.engine_core.embedding_info()
+        self._model_facts = ModelFacts(
+            model_name=model,
+            vocab_size=self.engine_core.vocab_size,
+            max_model_len=self.engine_core.max_model_len,
+            can_generate=info["can_generate"],
+            hidden_size=info["hidden_size"],
+            matryoshka_dimensions=info["matryoshka_dimensions"],
+            # A VLM: images are served over HTTP only (izh serve); a prompt may not hold their placeholder.
+            image_token_id=self.engine_core.runner.image_token_id,
+        )
 
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Load the PEFT LoRA adapter at `path` as `name` (LoraAdapterError when it cannot be served)."""
@@ -150,12 +159,12 @@ class LLM:
                     prompt_token_ids=token_ids,
                     outputs=[CompletionOutput(index=k) for k in range(params.n)],
                 )
-                for k, child_params in enumerate(_child_params(params)):
+                for k in range(params.n):
                     child_id = request_id if params.n == 1 else f"{request_id}-{k}"
                     self._add_request(
                         child_id,
                         token_ids,
-                        child_params,
+                        params.child(k),
                         priority[i] if priority else 0,
                         lora_name=lora_names[i],
                     )
@@ -249,34 +258,19 @@ class LLM:
         pooling_params: PoolingParams | None = None,
         lora_name: str | None = None,
     ) -> None:
-        # The one validation point, as the server's AsyncLLM: the engine core trusts what it gets.
-        info = self.engine_core.embedding_info()
-        image_token_id = self.engine_core.runner.image_token_id
-        if image_token_id is not None:  # a VLM: images are served over HTTP only (izh serve)
-            check_no_image_placeholders(prompt_token_ids, image_token_id, "prompt")
-        params = validate_request(
+        # The one door into the core, as the server's AsyncLLM's: the engine core trusts what it gets.
+        request = process_request(
+            request_id,
             prompt_token_ids,
             params,
-            vocab_size=self.engine_core.vocab_size,
-            max_model_len=self.engine_core.max_model_len,
+            self._model_facts,
+            priority=priority,
             pooling_params=pooling_params,
-            can_generate=info["can_generate"],
-            hidden_size=info["hidden_size"],
-            matryoshka_dimensions=info["matryoshka_dimensions"],
+            lora_name=lora_name,
         )
-        self.engine_core.add_request(
-            AddRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt_token_ids,
-                sampling_params=params,
-                arrival_time=time.time(),
-                priority=priority,
-                pooling_params=pooling_params,
-                lora_name=lora_name,
-            )
-        )
+        self.engine_core.add_request(request)
         self._states[request_id] = self._processor.make_request_state(
-            request_id, prompt_token_ids, params, arrival_time=time.time()
+            request_id, prompt_token_ids, request.sampling_params, arrival_time=time.time()
         )
 
     def _run(self, children: dict[str, tuple[RequestOutput, int]]) -> None:
@@ -327,20 +321,6 @@ class LLM:
                 f"got {len(params)} sampling params for {num_prompts} prompts", param="sampling_params"
             )
         return params
-
-
-def _child_params(params: SamplingParams) -> list[SamplingParams]:
-    """n > 1 becomes n requests of n = 1; seeded children get distinct seeds (seed + index)."""
-    if params.n == 1:
-        return [params]
-    children = []
-    for k in range(params.n):
-        child = params.clone()
-        child.n = 1
-        if child.seed is not None:
-            child.seed = child.seed + k
-        children.append(child)
-    return children
 
 
 def _apply_delta(result: RequestOutput, completion: CompletionOutput, delta: Any) -> None:

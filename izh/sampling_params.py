@@ -168,6 +168,12 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise InvalidRequest("structured_outputs.json must be a JSON schema object", param=param)
 
 
+def context_room(max_model_len: int, num_prompt_tokens: int) -> int:
+    """THE room a prompt leaves in the context: how many output tokens fit beside it within
+    `max_model_len` (0 or less when the prompt fills it)."""
+    return max_model_len - num_prompt_tokens
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample one request: vLLM's fields and defaults, validated on construction and on decode.
 
@@ -221,6 +227,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def clone(self) -> SamplingParams:
         """A deep copy: mutating the clone's lists or dicts leaves this one alone."""
         return copy.deepcopy(self)
+
+    def child(self, sample_index: int) -> SamplingParams:
+        """THE n -> children rule: the params of sample `sample_index` of n, sent as its own engine request
+        (n=1), seeded samples given distinct seeds (seed + index) so that they still differ. A copy (this
+        one is unchanged); no check runs again."""
+        child = copy.copy(self)
+        child.n = 1
+        if child.seed is not None:
+            child.seed = child.seed + sample_index
+        return child
 
     def with_max_tokens(self, max_tokens: int) -> SamplingParams:
         """A copy with `max_tokens` set (this one is unchanged); no check runs again, so the caller

@@ -16,6 +16,7 @@ from izh.engine.request import Request, RequestStatus
 from izh.engine.scheduler import Scheduler, SchedulerOutput
 from izh.engine_messages import AddRequest, EngineOutput, SchedulerStats, TokenLogprobs
 from izh.errors import IzhError, LoraAdapterError
+from izh.sampling_params import context_room
 from izh.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,9 @@ class EngineCore:
             problem = "its prompt is empty"
         elif min(prompt) < 0 or max(prompt) >= self.vocab_size:
             problem = f"a prompt token id is outside [0, {self.vocab_size})"
-        elif len(prompt) + (1 if max_tokens is None else max_tokens) > self.max_model_len:
+        elif max_tokens is None:
+            problem = "its max_tokens is unresolved (None)"
+        elif max_tokens > context_room(self.max_model_len, len(prompt)):
             problem = (
                 f"its {len(prompt)} prompt tokens and max_tokens {max_tokens} exceed {self.max_model_len}"
             )

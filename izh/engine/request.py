@@ -92,7 +92,8 @@ class Request:
     def __post_init__(self) -> None:
         self._all_token_ids = list(self.prompt_token_ids)
         max_tokens = self.sampling_params.max_tokens
-        self._max_tokens = sys.maxsize if max_tokens is None else max_tokens
+        assert max_tokens is not None, "the frontend resolves max_tokens (input_processor.resolve_context)"
+        self._max_tokens = max_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -113,8 +114,8 @@ class Request:
 
     @property
     def max_tokens(self) -> int:
-        """The output-token limit: sampling_params.max_tokens, capped by the room max_model_len leaves
-        once `resolve_max_tokens` has run (the scheduler calls it on admission)."""
+        """The output-token limit: sampling_params.max_tokens, an int the frontend resolved to fit the
+        room the prompt leaves in the context (the core asserts it)."""
         return self._max_tokens
 
     @property
@@ -152,10 +153,6 @@ class Request:
             self.pooling_params is not None
             or getattr(self.sampling_params, "prompt_logprobs", None) is not None
         )
-
-    def resolve_max_tokens(self, max_model_len: int) -> None:
-        """Cap max_tokens so that prompt + output never exceeds max_model_len."""
-        self._max_tokens = min(self._max_tokens, max_model_len - self.num_prompt_tokens)
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):

@@ -29,6 +29,7 @@ from typing import TypedDict
 
 from izh.engine.kv_cache import KVCacheManager
 from izh.engine.request import Request, RequestStatus
+from izh.sampling_params import context_room
 
 logger = logging.getLogger(__name__)
 
@@ -202,16 +203,18 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. It was validated before it got here (the frontend's
-        input_processor.validate_request; EngineCore checks the invariants): a non-empty prompt
-        that leaves room for one output token within max_model_len (a prompt-only request needs
-        none), and an id not in use. Those are only asserted here."""
+        input_processor.process_request; EngineCore checks the invariants): a non-empty prompt, a
+        max_tokens resolved to an int that fits the room the prompt leaves within max_model_len (at
+        least one output token unless it is a prompt-only request), and an id not in use. Those are
+        only asserted here."""
         assert request.num_prompt_tokens > 0, request.request_id
-        assert request.num_prompt_tokens + (0 if request.is_prompt_only else 1) <= self.max_model_len, (
+        room = context_room(self.max_model_len, request.num_prompt_tokens)
+        assert (0 if request.is_prompt_only else 1) <= request.max_tokens <= room, (
             request.request_id,
             request.num_prompt_tokens,
+            request.max_tokens,
         )
         assert request.request_id not in self.requests, request.request_id
-        request.resolve_max_tokens(self.max_model_len)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -416,7 +419,7 @@ class Scheduler:
                 if token_id in params.stop_token_ids:
                     request.stop_reason = token_id
                     return RequestStatus.FINISHED_STOPPED
-            # max_tokens is already capped by max_model_len; the second test guards recomputation.
+            # max_tokens fits max_model_len (asserted on admission); the second test guards recomputation.
             if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
                 return RequestStatus.FINISHED_LENGTH
         return None

@@ -2,7 +2,7 @@
 
 Everything that can refuse a request (validation, context length, admission) happens in
 `add_request`, before the caller starts streaming, so a refusal is still a real HTTP status; the
-request's validation against the model is `input_processor.validate_request`, the one place it runs.
+request's validation against the model is `input_processor.process_request`, the one door into the core.
 The core's outputs arrive as one EngineOutputs message per step; `_on_outputs` handles a message
 in one synchronous pass: per request one detokenize/stop-check and one wake-up of its consumer.
 """
@@ -14,7 +14,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -34,8 +34,8 @@ from izh.errors import (
     Overloaded,
 )
 from izh.frontend.client import EngineCoreClient
-from izh.frontend.image_processor import check_no_image_placeholders, load_image_processor
-from izh.frontend.input_processor import validate_request
+from izh.frontend.image_processor import load_image_processor
+from izh.frontend.input_processor import ModelFacts, process_request
 from izh.frontend.output_processor import OutputProcessor, RequestOutput, RequestState
 from izh.frontend.stats import RequestMetrics, StatLogger, StatLoggers
 from izh.pooling_params import PoolingParams
@@ -334,7 +334,7 @@ class AsyncLLM:
             )
         )
         if tokenizer is None:
-            tokenizer = await _load_tokenizer_beside(config.model, client_task)
+            tokenizer = await load_tokenizer_beside(config.model, client_task)
         client = await client_task
         llm = forward.llm = cls(
             config,
@@ -432,7 +432,7 @@ class AsyncLLM:
     ) -> RequestStream:
         """Validate, admit and send one request (n == 1); returns its output stream.
 
-        The request is validated here, once (`input_processor.validate_request`; the core trusts
+        The request is validated here, once (`input_processor.process_request`; the core trusts
         it); `prompt_param` names the field the prompt came from in the errors about it
         ("prompt", "prompt.1", "messages"). `deadline_s` (seconds from now; default
         `request_timeout_s`) ends the request with what it has and finish_reason "length". The
@@ -447,34 +447,34 @@ class AsyncLLM:
         """
         if lora_name is not None and lora_name not in self.lora_adapters:
             raise ModelNotFound(f"The model `{lora_name}` does not exist.", param="model")
-        if images and self.image_processor is None:
-            raise InvalidRequest(f"this model ({self.model_name}) takes no images", param=prompt_param)
-        if not images and self.image_processor is not None:
-            check_no_image_placeholders(prompt_token_ids, self.image_processor.image_token_id, prompt_param)
         scope = REQUEST_SCOPE.get()
-        params = await self._validated_params(
-            request_id, prompt_token_ids, params, prompt_param, pooling_params
+        request = await self._processed_request(
+            request_id,
+            params,
+            functools.partial(
+                process_request,
+                request_id,
+                prompt_token_ids,
+                params,
+                self._model_facts(),
+                prompt_param=prompt_param,
+                priority=priority,
+                cache_salt=combined_cache_salt(scope.cache_salt if scope else None, cache_salt),
+                pooling_params=pooling_params,
+                images=images,
+                lora_name=lora_name,
+            ),
         )
         if scope is not None:
             _check_prompt_limit(prompt_token_ids, scope.max_prompt_tokens)
         self._check_admission()
         now = time.monotonic()
-        state = self._processor.make_request_state(request_id, prompt_token_ids, params, arrival_time=now)
+        state = self._processor.make_request_state(
+            request_id, prompt_token_ids, request.sampling_params, arrival_time=now
+        )
         state.metrics.lora_name = lora_name
         stream = RequestStream(request_id, state, self, scope)
-        self.client.send(
-            AddRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt_token_ids,
-                sampling_params=params,
-                arrival_time=time.time(),
-                priority=priority,
-                cache_salt=combined_cache_salt(scope.cache_salt if scope else None, cache_salt),
-                pooling_params=pooling_params,
-                images=images or None,
-                lora_name=lora_name,
-            )
-        )
+        self.client.send(request)
         if scope is not None:
             scope.num_requests += 1
             if scope.capture_text:
@@ -519,15 +519,23 @@ class AsyncLLM:
         """Abort a request by id (no-op when it already finished)."""
         self._abort_request(request_id)
 
-    async def _validated_params(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt_param: str,
-        pooling_params: PoolingParams | None = None,
-    ) -> SamplingParams:
-        """What only AsyncLLM knows (ids in flight, one sequence), then the one validation point.
+    def _model_facts(self) -> ModelFacts:
+        ready = self.ready
+        return ModelFacts(
+            model_name=self.model_name,
+            vocab_size=ready.vocab_size,
+            max_model_len=ready.max_model_len,
+            can_generate=ready.can_generate,
+            hidden_size=ready.hidden_size,
+            matryoshka_dimensions=ready.matryoshka_dimensions,
+            image_token_id=self.image_processor.image_token_id if self.image_processor is not None else None,
+        )
+
+    async def _processed_request(
+        self, request_id: str, params: SamplingParams, process: Callable[[], AddRequest]
+    ) -> AddRequest:
+        """What only AsyncLLM knows (ids in flight, one sequence), then the one door
+        (`process`: `input_processor.process_request` with the request bound).
 
         A structured outputs spec may take a grammar compile to check: that runs off the event
         loop (the result is cached by spec, so a spec the API checked already is quick)."""
@@ -537,25 +545,12 @@ class AsyncLLM:
             raise InvalidRequest(
                 f"AsyncLLM takes one sequence per request (n=1), got n={params.n}", param="n"
             )
-        ready = self.ready
-        validate = functools.partial(
-            validate_request,
-            prompt_token_ids,
-            params,
-            vocab_size=ready.vocab_size,
-            max_model_len=ready.max_model_len,
-            prompt_param=prompt_param,
-            pooling_params=pooling_params,
-            can_generate=ready.can_generate,
-            hidden_size=ready.hidden_size,
-            matryoshka_dimensions=ready.matryoshka_dimensions,
-        )
         if params.structured_outputs is None:
-            return validate()
-        params = await asyncio.to_thread(validate)
+            return process()
+        request = await asyncio.to_thread(process)
         if request_id in self._requests:  # added by another task while this one waited
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
-        return params
+        return request
 
     def _check_admission(self) -> None:
         client = self.client
@@ -838,7 +833,7 @@ def _check_prompt_limit(prompt_token_ids: list[int], max_prompt_tokens: int | No
         )
 
 
-async def _load_tokenizer_beside(model: str, client_task: asyncio.Future[EngineCoreClient]) -> Tokenizer:
+async def load_tokenizer_beside(model: str, client_task: asyncio.Future[EngineCoreClient]) -> Tokenizer:
     """Load the tokenizer while the core starts; if it fails, shut the core down before raising."""
     tokenizer_task = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, model))
     both: set[asyncio.Future[Any]] = {tokenizer_task, client_task}

@@ -28,7 +28,7 @@ from izh.engine_messages import (
     SchedulerStats,
 )
 from izh.errors import EngineDead
-from izh.frontend.async_llm import AsyncLLM, ForwardToLLM, _load_tokenizer_beside
+from izh.frontend.async_llm import AsyncLLM, ForwardToLLM, load_tokenizer_beside
 from izh.frontend.client import AttachedCore, EngineCoreClient, engine_state
 from izh.frontend.dp_router import Router, affinity_keys
 from izh.frontend.stats import StatLogger
@@ -296,7 +296,7 @@ async def start_attached_llm(
         for k, core in enumerate(cores)
     ]
     all_started = asyncio.ensure_future(_all_started(starts))
-    tokenizer = await _load_tokenizer_beside(config.model, all_started)  # type: ignore[arg-type]
+    tokenizer = await load_tokenizer_beside(config.model, all_started)  # type: ignore[arg-type]
     clients = (await all_started).clients
     client: EngineCoreClient | DataParallelClient = clients[0]
     if len(clients) > 1:

@@ -31,7 +31,7 @@ import numpy as np
 from PIL import Image
 
 from izh.engine_messages import ImageInput
-from izh.errors import InvalidRequest, ModelLoadError
+from izh.errors import ModelLoadError
 
 FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
 IMAGE_TOKEN = "<image>"
@@ -262,17 +262,6 @@ def _multiples_of(height: int, width: int, tile: int) -> tuple[int, int]:
         width = int(height * aspect_ratio)
         width = math.ceil(width / tile) * tile
     return height, width
-
-
-def check_no_image_placeholders(prompt_token_ids: list[int], image_token_id: int, param: str) -> None:
-    """A VLM's prompt without images may not hold its image placeholder token: the model would read the
-    placeholder's own embedding where features belong (transformers refuses it too)."""
-    if image_token_id in prompt_token_ids:
-        raise InvalidRequest(
-            f"the {param} holds the model's image placeholder token but no image; send images as image_url "
-            "parts of a chat message",
-            param=param,
-        )
 
 
 IMAGE_MODEL_TYPES = frozenset({"idefics3"})

@@ -1,10 +1,12 @@
-"""The one validation point of a request: its tokens and params against the model, once.
+"""The one door into the engine core: a request's tokens and params checked against the model, once,
+and the engine's AddRequest built from them.
 
-`validate_request` runs where a request's prompt token ids and sampling params are final, just
-before it goes to the engine core: in `AsyncLLM.add_request` (the server) and in `LLM._add_request`
-(offline). Everything a user can get wrong about a request with respect to the model is refused
-here, as InvalidRequest / ContextLengthExceeded with the message and param an HTTP error body
-shows; the engine core and the scheduler then only assert what this guarantees (a request that
+`process_request` runs where a request's prompt token ids and sampling params are final, just before
+it goes to the engine core: in `AsyncLLM.add_request` (the server) and in `LLM._add_request`
+(offline), both with the model's facts (`ModelFacts`). Everything a user can get wrong about a
+request with respect to the model is refused here (`validate_request`, and a VLM's image
+placeholders), as InvalidRequest / ContextLengthExceeded with the message and param an HTTP error
+body shows; the engine core and the scheduler then only assert what this guarantees (a request that
 fails there is a bug, and fails alone with an internal error).
 
 What runs elsewhere, once each: SamplingParams checks its own fields when it is built (types and
@@ -14,12 +16,89 @@ RequestScope's limits) and admission.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from izh.engine_messages import AddRequest, ImageInput
 from izh.errors import ContextLengthExceeded, InvalidRequest
 from izh.guided_spec import validate_spec
 from izh.pooling_params import PoolingParams
-from izh.sampling_params import SamplingParams
+from izh.sampling_params import SamplingParams, context_room
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What validating a request needs to know of the model (the engine core's Ready, or the offline
+    core's own answers)."""
+
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    can_generate: bool = True
+    hidden_size: int = 0
+    matryoshka_dimensions: Sequence[int] | None = None
+    image_token_id: int | None = None
+    """A VLM's image placeholder token; None for a model that takes no images."""
+
+
+def process_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    facts: ModelFacts,
+    *,
+    prompt_param: str = "prompt",
+    priority: int = 0,
+    cache_salt: str | None = None,
+    pooling_params: PoolingParams | None = None,
+    images: list[ImageInput] | None = None,
+    lora_name: str | None = None,
+) -> AddRequest:
+    """THE door into the engine core: one request (n == 1) checked against the model, returned as the
+    AddRequest to send, its params validated (max_tokens resolved).
+
+    `images` (a VLM's preprocessed images, placed in the prompt) are refused by a model that takes
+    none; a VLM's prompt without images may not hold its placeholder token. Then `validate_request`.
+    `prompt_param` names the field the prompt came from in the errors about it.
+    """
+    if images and facts.image_token_id is None:
+        raise InvalidRequest(f"this model ({facts.model_name}) takes no images", param=prompt_param)
+    if not images and facts.image_token_id is not None:
+        check_no_image_placeholders(prompt_token_ids, facts.image_token_id, prompt_param)
+    params = validate_request(
+        prompt_token_ids,
+        params,
+        vocab_size=facts.vocab_size,
+        max_model_len=facts.max_model_len,
+        prompt_param=prompt_param,
+        pooling_params=pooling_params,
+        can_generate=facts.can_generate,
+        hidden_size=facts.hidden_size,
+        matryoshka_dimensions=facts.matryoshka_dimensions,
+    )
+    return AddRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling_params=params,
+        arrival_time=time.time(),
+        priority=priority,
+        cache_salt=cache_salt,
+        pooling_params=pooling_params,
+        images=images or None,
+        lora_name=lora_name,
+    )
+
+
+def check_no_image_placeholders(prompt_token_ids: list[int], image_token_id: int, param: str) -> None:
+    """A VLM's prompt without images may not hold its image placeholder token: the model would read the
+    placeholder's own embedding where features belong (transformers refuses it too)."""
+    if image_token_id in prompt_token_ids:
+        raise InvalidRequest(
+            f"the {param} holds the model's image placeholder token but no image; send images as image_url "
+            "parts of a chat message",
+            param=param,
+        )
 
 
 def validate_request(
@@ -98,7 +177,7 @@ def resolve_context(
                 param=prompt_param,
             )
         return params
-    room = max_model_len - num_prompt_tokens
+    room = context_room(max_model_len, num_prompt_tokens)
     if room <= 0:
         raise ContextLengthExceeded(
             f"{prefix}your request has {num_prompt_tokens} input tokens, which leaves no room for the "

@@ -15,7 +15,7 @@ import pytest
 from izh.config import EngineConfig
 from izh.engine_messages import SchedulerStats
 from izh.errors import ContextLengthExceeded, EngineDead, InvalidRequest, IzhError, Overloaded
-from izh.frontend import async_llm
+from izh.frontend import input_processor
 from izh.frontend.async_llm import REQUEST_SCOPE, AsyncLLM, RequestScope
 from izh.frontend.output_processor import RequestOutput
 from izh.frontend.stats import RequestMetrics, StatLogger
@@ -568,13 +568,15 @@ def test_real_engine_core(request: pytest.FixtureRequest, monkeypatch: pytest.Mo
             # Without the one validation point, a bad request reaches the core: a bug, which fails
             # that request alone (500, not a user's 400) before it can index the embedding table.
             with monkeypatch.context() as patch:
-                patch.setattr(async_llm, "validate_request", lambda prompt, params, **kwargs: params)
+                patch.setattr(input_processor, "validate_request", lambda prompt, params, **kwargs: params)
                 greedy = SamplingParams(temperature=0.0, max_tokens=5)
                 bad_ids = await llm.add_request("bad-ids", [1, 10**6], greedy)
                 too_long = await llm.add_request("too-long", [1] * 64, greedy)
                 past_vocab = SamplingParams(temperature=0.0, max_tokens=5, allowed_token_ids=[10**6])
                 bad_params = await llm.add_request("bad-params", prompt, past_vocab)
-            for stream in (bad_ids, too_long, bad_params):
+                # The core takes a resolved max_tokens (an int), never None.
+                unresolved = await llm.add_request("unresolved", prompt, SamplingParams(max_tokens=None))
+            for stream in (bad_ids, too_long, bad_params, unresolved):
                 with pytest.raises(IzhError, match="internal error") as info:
                     await collect(stream)
                 assert not isinstance(info.value, InvalidRequest)

@@ -1,4 +1,5 @@
-"""The one validation point (izh.frontend.input_processor.validate_request), without an engine.
+"""The one door into the engine core (izh.frontend.input_processor.process_request) and its validation
+point (validate_request), without an engine.
 
 The exact messages and params of its refusals are pinned through AsyncLLM in test_async_llm.py
 (VALIDATION_ERRORS); here, what it returns and the edges of the context length."""
@@ -7,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from izh.engine_messages import AddRequest, ImageInput
 from izh.errors import ContextLengthExceeded, InvalidRequest
-from izh.frontend.input_processor import validate_request
-from izh.sampling_params import SamplingParams, StructuredOutputsParams
+from izh.frontend.input_processor import ModelFacts, process_request, validate_request
+from izh.sampling_params import SamplingParams, StructuredOutputsParams, context_room
 
 VOCAB = 100
 
@@ -54,3 +56,30 @@ def test_structured_outputs_specs_are_checked() -> None:
     with pytest.raises(InvalidRequest) as info:
         check([1], bad)
     assert info.value.param == "structured_outputs" and "missing" in info.value.message
+
+
+FACTS = ModelFacts(model_name="tiny", vocab_size=VOCAB, max_model_len=16)
+
+
+def test_process_request_returns_the_validated_add_request() -> None:
+    params = SamplingParams(max_tokens=None, seed=3)
+    request = process_request("r", [1, 2, 3], params, FACTS, priority=2, cache_salt="s", lora_name="adapter")
+    assert isinstance(request, AddRequest)
+    assert (request.request_id, request.prompt_token_ids, request.priority) == ("r", [1, 2, 3], 2)
+    assert (request.cache_salt, request.lora_name, request.images) == ("s", "adapter", None)
+    # The params validate_request returns: max_tokens resolved to the room the prompt leaves.
+    assert request.sampling_params.max_tokens == context_room(16, 3) == 13 and params.max_tokens is None
+    with pytest.raises(ContextLengthExceeded) as info:
+        process_request("r", [1] * 10, SamplingParams(max_tokens=7), FACTS, prompt_param="messages")
+    assert info.value.param == "max_tokens" and "10 in the messages" in info.value.message
+
+
+def test_process_request_checks_images_against_the_model() -> None:
+    image = ImageInput(pixel_values=b"", shape=(0, 3, 4, 4), offset=1, length=1, content_hash="")
+    with pytest.raises(InvalidRequest, match=r"this model \(tiny\) takes no images") as info:
+        process_request("r", [1, 2], SamplingParams(), FACTS, images=[image], prompt_param="messages")
+    assert info.value.param == "messages"
+    vlm = ModelFacts(model_name="vlm", vocab_size=VOCAB, max_model_len=16, image_token_id=7)
+    with pytest.raises(InvalidRequest, match="image placeholder token but no image"):
+        process_request("r", [1, 7, 2], SamplingParams(), vlm)
+    assert process_request("r", [1, 2], SamplingParams(max_tokens=1), vlm).sampling_params.max_tokens == 1

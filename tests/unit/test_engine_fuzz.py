@@ -71,6 +71,12 @@ class Driver:
         salt: str | None,
     ) -> None:
         prompt = [(prefix * 5 + i) % 7 for i in range(length)]
+        if (
+            max_tokens is None
+        ):  # the frontend resolves it to the room the prompt leaves (the core takes an int)
+            max_tokens = max(self.max_model_len - length, 1)
+        elif length < self.max_model_len:  # an explicit value the frontend would refuse is not sent
+            max_tokens = min(max_tokens, self.max_model_len - length)
         params = Params(
             max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos, stop_token_ids=[5]
         )
@@ -85,7 +91,7 @@ class Driver:
         )
         self.num_added += 1
         if length >= self.max_model_len:
-            # The frontend refuses it (input_processor.validate_request); the scheduler only asserts,
+            # The frontend refuses it (input_processor.process_request); the scheduler only asserts,
             # and is left as it was.
             num_unfinished = self.scheduler.get_num_unfinished_requests()
             with pytest.raises(AssertionError):

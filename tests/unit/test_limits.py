@@ -17,6 +17,7 @@ from izh.api.common.chat_protocol import (
     ChatCompletionRequest,
 )
 from izh.api.common.errors import to_izh_error
+from izh.api.common.output_length import requested_output_length
 from izh.api.common.protocol import (
     PARSED_BODY,
     CompletionRequest,
@@ -206,6 +207,32 @@ def test_at_the_limits_and_wrong_types_pass() -> None:
     # Types are the route's business: it names the field in its own 400.
     LIMITS.check_chat({"messages": "hello", "n": "many", "max_tokens": 10**30 * 1.0, "stop": 5, "tools": {}})
     LIMITS.check_completion({"prompt": 5, "logprobs": True})
+
+
+def test_the_output_limit_bounds_the_field_the_route_reads() -> None:
+    """max_completion_tokens wins over its deprecated alias max_tokens (api/common/output_length.py), for
+    the limit as for the route: the one read is bounded, under its own name."""
+    with pytest.raises(LimitExceeded) as info:
+        LIMITS.check_chat({**CHAT, "max_completion_tokens": 51, "max_tokens": 10})
+    assert info.value.param == "max_completion_tokens"
+    LIMITS.check_chat({**CHAT, "max_completion_tokens": 10, "max_tokens": 51})  # the alias is not read
+    LIMITS.check_chat({**CHAT, "max_completion_tokens": None, "max_tokens": 50})  # null is unset
+    with pytest.raises(LimitExceeded) as info:
+        LIMITS.check_chat({**CHAT, "max_completion_tokens": None, "max_tokens": 51})
+    assert info.value.param == "max_tokens"
+
+
+def test_requested_output_length_reads_json_and_request_models_alike() -> None:
+    assert requested_output_length({"max_tokens": 5, "max_completion_tokens": 7}) == (
+        "max_completion_tokens",
+        7,
+    )
+    assert requested_output_length({"max_output_tokens": 9}) == ("max_output_tokens", 9)
+    assert requested_output_length({"max_tokens": None}) is None
+    body = ChatCompletionRequest.model_validate({**CHAT, "max_tokens": 5})
+    assert requested_output_length(body) == ("max_tokens", 5)
+    body = ChatCompletionRequest.model_validate({**CHAT, "max_tokens": 5, "max_completion_tokens": 3})
+    assert requested_output_length(body) == ("max_completion_tokens", 3)
 
 
 def test_no_output_limit_leaves_context_errors_to_the_route() -> None:

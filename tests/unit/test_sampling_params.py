@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from izh.errors import InvalidRequest
-from izh.sampling_params import SamplingParams, StructuredOutputsParams
+from izh.sampling_params import SamplingParams, StructuredOutputsParams, context_room
 
 
 def test_defaults_are_vllms() -> None:
@@ -264,3 +264,17 @@ def test_clone_is_deep() -> None:
 def test_importing_does_not_import_torch() -> None:
     code = "import sys, izh.sampling_params; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_one_n_to_children_rule() -> None:
+    params = SamplingParams(n=3, seed=5, stop=["x"])
+    children = [params.child(k) for k in range(params.n)]
+    assert [(c.n, c.seed) for c in children] == [(1, 5), (1, 6), (1, 7)]  # seeded samples still differ
+    assert params.n == 3 and params.seed == 5 and children[1].stop == ["x"]
+    unseeded = SamplingParams(n=2)
+    assert [unseeded.child(k).seed for k in range(2)] == [None, None]
+
+
+def test_the_room_a_prompt_leaves() -> None:
+    assert context_room(16, 10) == 6
+    assert context_room(16, 16) == 0 and context_room(16, 17) == -1

@@ -157,8 +157,8 @@ def test_preemption_frees_the_latest_arrival_and_resumes_with_the_same_state() -
 
 def test_a_request_that_is_its_own_victim_waits() -> None:
     scheduler = make_scheduler(num_blocks=4, max_model_len=16)
-    c = make_request("c", 6, arrival_time=0.0)
-    d = make_request("d", 8, arrival_time=1.0, first_token=200)
+    c = make_request("c", 6, arrival_time=0.0, max_tokens=10)
+    d = make_request("d", 8, arrival_time=1.0, first_token=200, max_tokens=8)
     scheduler.add_request(c)
     scheduler.add_request(d)
     step(scheduler)  # c: 7 tokens (2 blocks), d: 9 tokens (2 blocks, 8 computed)
@@ -172,8 +172,8 @@ def test_a_request_that_is_its_own_victim_waits() -> None:
 def test_preempting_an_already_scheduled_victim_returns_its_budget() -> None:
     # Admission order differs from arrival order: x (arrival 5) runs before y (arrival 1).
     scheduler = make_scheduler(num_blocks=5, max_model_len=20)
-    x = make_request("x", 11, arrival_time=5.0)
-    y = make_request("y", 8, arrival_time=1.0, first_token=200)
+    x = make_request("x", 11, arrival_time=5.0, max_tokens=9)
+    y = make_request("y", 8, arrival_time=1.0, first_token=200, max_tokens=12)
     scheduler.add_request(x)
     scheduler.add_request(y)
     step(scheduler)  # x: 12 tokens in [0, 1, 2], y: 9 tokens in [3, 4]
@@ -191,7 +191,7 @@ def test_preempting_an_already_scheduled_victim_returns_its_budget() -> None:
 def test_abort_in_every_state_frees_every_block() -> None:
     scheduler = make_scheduler(num_blocks=6, max_num_batched_tokens=8, max_model_len=24)
     running = make_request("running", 6, arrival_time=0.0)
-    prefilling = make_request("prefilling", 12, arrival_time=1.0, first_token=200)
+    prefilling = make_request("prefilling", 12, arrival_time=1.0, first_token=200, max_tokens=12)
     waiting = make_request("waiting", 4, arrival_time=2.0, first_token=300)
     for request in (running, prefilling, waiting):
         scheduler.add_request(request)
@@ -213,8 +213,8 @@ def test_abort_in_every_state_frees_every_block() -> None:
 
 def test_abort_a_preempted_request() -> None:
     scheduler = make_scheduler(num_blocks=4, max_model_len=16)
-    scheduler.add_request(make_request("a", 6, arrival_time=0.0))
-    b = make_request("b", 6, arrival_time=1.0, first_token=200)
+    scheduler.add_request(make_request("a", 6, arrival_time=0.0, max_tokens=10))
+    b = make_request("b", 6, arrival_time=1.0, first_token=200, max_tokens=10)
     scheduler.add_request(b)
     for _ in range(3):
         step(scheduler)
@@ -233,7 +233,11 @@ def test_add_request_only_asserts_what_the_frontend_validated() -> None:
         scheduler.add_request(make_request("a", 32, max_tokens=10))
     with pytest.raises(AssertionError):
         scheduler.add_request(make_request("b", 0))
-    fits = make_request("c", 31, max_tokens=None)
+    with pytest.raises(AssertionError):  # the core takes a resolved int: max_tokens fits the room left
+        scheduler.add_request(make_request("c", 31, max_tokens=2))
+    with pytest.raises(AssertionError):
+        make_request("c", 31, max_tokens=None)
+    fits = make_request("c", 31, max_tokens=1)
     scheduler.add_request(fits)
     assert fits.max_tokens == 1
     with pytest.raises(AssertionError):
@@ -283,8 +287,8 @@ def test_min_tokens_and_ignore_eos_and_max_tokens() -> None:
     last = run_one(make_request("c", max_tokens=2), [5, EOS])
     assert last.status == RequestStatus.FINISHED_STOPPED
 
-    # max_tokens None runs up to max_model_len.
-    unbounded = run_one(make_request("d", 6, max_tokens=None), [5] * 20, max_model_len=10)
+    # All the room the prompt leaves (the frontend's resolution of max_tokens None) runs up to max_model_len.
+    unbounded = run_one(make_request("d", 6, max_tokens=4), [5] * 20, max_model_len=10)
     assert unbounded.num_output_tokens == 4 and unbounded.status == RequestStatus.FINISHED_LENGTH
 
 

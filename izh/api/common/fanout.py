@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -43,14 +42,6 @@ class Child:
     prompt_index: int
     sample_index: int
     stream: RequestStream
-
-
-def child_params(params: SamplingParams, sample_index: int) -> SamplingParams:
-    """The params of one of n samples: n=1, and distinct seeds so seeded samples still differ."""
-    seed = params.seed
-    if seed is not None and sample_index:
-        seed = seed + sample_index
-    return msgspec.structs.replace(params, n=1, seed=seed)
 
 
 async def admit(
@@ -90,7 +81,7 @@ async def admit(
                 stream = await state.llm.add_request(
                     f"{base_id}-{index}",
                     prompt,
-                    child_params(prompt_sampling, sample_index),
+                    prompt_sampling.child(sample_index),
                     priority=priority,
                     cache_salt=cache_salt,
                     lora_name=lora_name,

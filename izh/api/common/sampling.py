@@ -11,13 +11,14 @@ from izh.api.common.chat_protocol import (
     ChatCompletionRequest,
 )
 from izh.api.common.constraints import Constraint
+from izh.api.common.output_length import requested_output_length
 from izh.api.common.protocol import (
     CompletionRequest,
     SamplingFields,
 )
 from izh.api.common.state import ApiState
 from izh.errors import InvalidRequest
-from izh.sampling_params import SamplingParams, StructuredOutputsParams
+from izh.sampling_params import SamplingParams, StructuredOutputsParams, context_room
 
 # The generation_config.json keys that are sampling defaults (vLLM's --generation-config auto).
 _GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -113,13 +114,12 @@ def chat_sampling_params(
     state: ApiState, body: ChatCompletionRequest, num_prompt_tokens: int, constraint: Constraint | None
 ) -> SamplingParams:
     """A chat request's params: max_completion_tokens (or the older max_tokens) beside the messages."""
-    explicit = body.max_completion_tokens is not None or body.max_tokens is not None
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    requested = requested_output_length(body)
     max_tokens = resolve_max_tokens(
-        requested,
-        explicit=explicit,
+        requested[1] if requested is not None else None,
+        explicit=requested is not None,
         default=state.sampling_defaults.get("max_tokens"),
-        room=state.max_model_len - num_prompt_tokens,
+        room=context_room(state.max_model_len, num_prompt_tokens),
     )
     return build_sampling_params(
         body,
@@ -143,7 +143,7 @@ def completion_sampling_params(
         # The field defaults to 16 (OpenAI's legacy default), which clamps rather than refuses.
         explicit="max_tokens" in body.model_fields_set and body.max_tokens is not None,
         default=state.sampling_defaults.get("max_tokens"),
-        room=state.max_model_len - num_prompt_tokens,
+        room=context_room(state.max_model_len, num_prompt_tokens),
         allow_prompt_only=body.echo,
     )
     prompt_logprobs = body.prompt_logprobs

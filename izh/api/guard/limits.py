@@ -19,6 +19,7 @@ from typing import Any
 
 import pydantic_core
 
+from izh.api.common.output_length import requested_output_length
 from izh.errors import InvalidRequest, LimitExceeded
 from izh.settings import LimitSettings
 
@@ -137,10 +138,7 @@ class RequestLimits:
         items = body.get("input")
         if isinstance(items, list):
             self._count("input", items, s.max_messages, "max_messages", "input items")
-        if s.max_output_tokens is not None:
-            self._at_most(
-                "max_output_tokens", body.get("max_output_tokens"), s.max_output_tokens, "max_output_tokens"
-            )
+        self._check_output_length(body)
         self._at_most("top_logprobs", body.get("top_logprobs"), s.max_top_logprobs, "max_top_logprobs")
         tools = body.get("tools")
         if isinstance(tools, list):
@@ -182,9 +180,7 @@ class RequestLimits:
     def _check_sampling(self, body: dict[str, Any]) -> None:
         s = self.settings
         self._at_most("n", body.get("n"), s.max_n, "max_n")
-        if s.max_output_tokens is not None:  # else the route's context-length check says it better
-            for name in ("max_tokens", "max_completion_tokens"):
-                self._at_most(name, body.get(name), s.max_output_tokens, "max_output_tokens")
+        self._check_output_length(body)
         self._at_most("prompt_logprobs", body.get("prompt_logprobs"), s.max_top_logprobs, "max_top_logprobs")
         self._check_stop(body.get("stop"))
         stop_token_ids = body.get("stop_token_ids")
@@ -194,6 +190,12 @@ class RequestLimits:
         if isinstance(logit_bias, dict):
             self._count("logit_bias", logit_bias, s.max_logit_bias, "max_logit_bias", "entries")
         self._check_constraints(body)
+
+    def _check_output_length(self, body: dict[str, Any]) -> None:
+        limit = self.settings.max_output_tokens
+        requested = requested_output_length(body)
+        if limit is not None and requested is not None:  # else the context-length check says it better
+            self._at_most(*requested, limit, "max_output_tokens")
 
     def _check_stop(self, stop: Any) -> None:
         stops = [stop] if isinstance(stop, str) else stop

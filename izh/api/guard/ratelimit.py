@@ -27,7 +27,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from izh.api.common.output_length import requested_output_length
 from izh.errors import RateLimitExceeded
+from izh.sampling_params import context_room
 from izh.settings import KeyRateLimit
 
 ANONYMOUS_KEY_ID = "anonymous"
@@ -195,7 +197,7 @@ def estimate_request_tokens(
     max_tokens = _requested_max_tokens(body)
     total = 0
     for num_prompt_tokens in prompts:
-        room = max(max_model_len - num_prompt_tokens, 0)
+        room = max(context_room(max_model_len, num_prompt_tokens), 0)
         output = min(max_tokens if max_tokens is not None else default_max_tokens, room)
         total += n * (num_prompt_tokens + output)
     return max(total, 1)
@@ -203,11 +205,9 @@ def estimate_request_tokens(
 
 def _requested_max_tokens(body: dict[str, Any]) -> int | None:
     """The request's output budget; 0 (a prompt scored with echo) reserves no output tokens."""
-    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-    return None
+    requested = requested_output_length(body)
+    value = requested[1] if requested is not None else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _prompt_token_estimates(body: dict[str, Any], path: str) -> list[int]:
