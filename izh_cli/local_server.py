@@ -29,7 +29,7 @@ def local_server(model: str) -> Iterator[LocalServer]:
     stops on exit."""
     from izh.hub import resolve_model
     from izh.settings import load_settings
-    from izh_cli.serve import build_server_app, default_engine_threads, start_llm
+    from izh_cli.server import build_server_app, default_engine_threads, start_llm
 
     settings = load_settings(overrides={"model.name": model})
     path = resolve_model(settings.model.name, settings.model.cache_dir, download=True)

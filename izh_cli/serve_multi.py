@@ -5,7 +5,7 @@ The `izh serve` process becomes a supervisor that serves no HTTP itself. It bind
 the M cores (each told the output address of every API process) and then the N API processes (spawned,
 each in its own process group so that a terminal's Ctrl-C reaches the supervisor only), hands each the
 listening socket, the cores' input addresses and pids and its index, and waits. Each API process runs
-the usual app (izh_cli/serve.py's uvicorn server, drain included) over an AsyncLLM attached to the cores
+the usual app (izh_cli/server.py's uvicorn server, drain included) over an AsyncLLM attached to the cores
 (izh.frontend.dp_client): the kernel hands each new connection to whichever process accepts first.
 
 Lifecycle (docs/operations.md, "Scale out"):
@@ -407,7 +407,7 @@ async def _join_all(procs: list[BaseProcess], timeout_s: float) -> None:
 
 def api_process_main(spec: ApiProcessSpec) -> None:
     """The entry point of API process `spec.index` (spawned)."""
-    from izh_cli.serve import configure_logging
+    from izh_cli.server import configure_logging
 
     os.setpgrp()  # a terminal's Ctrl-C goes to the supervisor, which drains us with SIGTERM
     multiprocessing.current_process().name = f"ApiServer-{spec.index}"
@@ -435,7 +435,7 @@ def _exit_with_parent() -> None:
 async def _serve_api(spec: ApiProcessSpec) -> int:
     from izh.errors import IzhError
     from izh.frontend.dp_client import start_attached_llm
-    from izh_cli.serve import EXIT_ENGINE_DEAD, _make_server, _uvicorn_config, build_server_app
+    from izh_cli.server import EXIT_ENGINE_DEAD, build_server_app, make_server, uvicorn_config
 
     settings = spec.settings
     s = settings.server
@@ -455,7 +455,7 @@ async def _serve_api(spec: ApiProcessSpec) -> int:
     server: Any = None
     try:
         app = build_server_app(llm, settings, api_index=spec.index)
-        server = _make_server(_uvicorn_config(app, settings), app, llm, s.drain_timeout_s)
+        server = make_server(uvicorn_config(app, settings), app, llm, s.drain_timeout_s)
         spec.status.send(("ready",))
         await server.serve(sockets=[spec.sock])
     except Exception as exc:

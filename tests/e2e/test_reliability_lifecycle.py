@@ -228,13 +228,13 @@ def test_a_failure_after_the_core_started_leaves_no_process(tiny_llama_dir: str,
 
 def test_serve_bounds_connections_in_uvicorn() -> None:
     from izh.settings import load_settings
-    from izh_cli.serve import _uvicorn_config
+    from izh_cli.server import uvicorn_config
 
     overrides = {
         "server.max_connections": 7,
         "server.timeout_keep_alive_s": 3,
         "server.header_timeout_s": 2.5,
     }
-    config = _uvicorn_config(object(), load_settings(overrides=overrides, env={}))  # type: ignore[arg-type]
+    config = uvicorn_config(object(), load_settings(overrides=overrides, env={}))  # type: ignore[arg-type]
     assert (config.limit_concurrency, config.timeout_keep_alive) == (7, 3)
     assert config.http.__name__ == "HeaderTimeoutProtocol"  # type: ignore[union-attr]

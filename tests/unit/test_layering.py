@@ -1,8 +1,10 @@
-"""The layering of izh's packages, enforced (docs/architecture.md, to be written, describes it).
+"""The layering of izh's packages, enforced (docs/architecture.md, "Layering", describes it).
 
 From the bottom up: izh.kernels (ops, no model), izh.model (pure nn, no requests), izh.engine (runs the
-model), izh.frontend and izh.api (requests, HTTP), and izh_cli above them all. Imports are read from each
-file's AST, all of them: inside functions and `if TYPE_CHECKING:` blocks too, relative ones resolved.
+model), izh.frontend and izh.api (requests, HTTP), and izh_cli above them all. The API process enters the
+engine package through one module, izh.engine.core_proc (the core process's entry point, spawned).
+Imports are read from each file's AST, all of them: inside functions and `if TYPE_CHECKING:` blocks too,
+relative ones resolved.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 IZH = ROOT / "izh"
+PACKAGES = (IZH, ROOT / "izh_cli")
 
 
 def _module_name(path: Path) -> str:
@@ -53,11 +56,12 @@ def _imports(path: Path) -> set[str]:
 
 
 def _izh_modules() -> dict[str, Path]:
-    return {_module_name(path): path for path in sorted(IZH.rglob("*.py"))}
+    """Every module of izh and izh_cli."""
+    return {_module_name(path): path for package in PACKAGES for path in sorted(package.rglob("*.py"))}
 
 
 def _import_graph() -> dict[str, set[str]]:
-    """izh module -> the izh modules it imports (`from m import x` is an edge to m.x when that is a module,
+    """izh or izh_cli module -> the izh and izh_cli modules it imports (`from m import x` is an edge to m.x when that is a module,
     else to m). A submodule's implicit import of its parent packages is no edge."""
     modules = _izh_modules()
     graph: dict[str, set[str]] = {}
@@ -125,11 +129,47 @@ def test_kernels_know_nothing_above_them() -> None:
 
 
 def test_no_circular_imports() -> None:
+    """None in izh/ nor in izh_cli/ (whose command modules share what they share through a third one)."""
     graph = _import_graph()
     assert "izh.model.llama" in graph["izh.model.registry"]  # the graph sees imports at all
     assert "izh.kernels.cpu" in graph["izh.model.layers"]  # `from izh.kernels import cpu` is the submodule
+    assert "izh_cli.server" in graph["izh_cli.serve_multi"]  # izh_cli is in it, imports inside functions too
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+API_PROCESS = ("izh.api", "izh.frontend", "izh_cli.serve", "izh_cli.server", "izh_cli.serve_multi")
+"""The modules that run in an API process (and the supervisor, which spawns the cores)."""
+ENGINE_DOOR = "izh.engine.core_proc"
+"""The one engine module they may import: the core process's entry point, which they spawn."""
+
+
+def test_the_api_process_enters_the_engine_through_core_proc_only() -> None:
+    graph = _import_graph()
+    arrows = {
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        if any(name == p or name.startswith(p + ".") for p in API_PROCESS)
+        for target in targets
+        if target.startswith("izh.engine.") and target != ENGINE_DOOR
+    }
+    assert arrows == set()
+    assert ENGINE_DOOR in graph["izh.frontend.client"]  # the permitted arrow is seen
+
+
+def test_no_module_imports_another_ones_private_names() -> None:
+    """A name that starts with an underscore is its module's own; what two modules share is public (or
+    moves to a module both import)."""
+    found = [
+        f"{path.relative_to(ROOT)} imports {module}.{name}"
+        for package in PACKAGES
+        for path in sorted(package.rglob("*.py"))
+        for module, names in _import_statements(path)
+        if module.split(".")[0] in ("izh", "izh_cli")
+        for name in names
+        if name.startswith("_") and not name.startswith("__")
+    ]
+    assert found == []
 
 
 def test_find_cycle_reports_one() -> None:
@@ -210,6 +250,20 @@ def test_api_modules_stay_short() -> None:
         if (n := len(path.read_text().splitlines())) > API_MODULE_MAX_LINES
     }
     assert long == {}
+
+
+def test_the_shared_api_code_imports_no_endpoints_routes() -> None:
+    """izh/api/common/ and guard/ serve every endpoint: they import no endpoint's routes module (an
+    endpoint package imports them, and chat's when it runs through prepare_chat)."""
+    graph = _import_graph()
+    arrows = {
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        if name.startswith(("izh.api.common.", "izh.api.guard."))
+        for target in targets
+        if target.startswith("izh.api.") and target.endswith(".routes")
+    }
+    assert arrows == set()
 
 
 def test_api_has_no_flat_modules_but_the_app() -> None:
