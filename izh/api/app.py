@@ -30,6 +30,7 @@ from izh.api.guard import (
     build_rate_limiter,
 )
 from izh.api.limits import RequestLimits
+from izh.api.messages import routes as messages
 from izh.api.metrics import PrometheusStatLogger
 from izh.api.ops import OPS_ROUTES, openapi_schema
 from izh.api.request_log import RequestLogger
@@ -53,6 +54,8 @@ ROUTES: list[tuple[str, Any, list[str]]] = [
     ("/v1/responses/{response_id}", responses.retrieve_response, ["GET"]),
     ("/v1/responses/{response_id}", responses.delete_response, ["DELETE"]),
     ("/v1/responses/{response_id}/input_items", responses.list_input_items, ["GET"]),
+    ("/v1/messages", messages.create_message, ["POST"]),
+    ("/v1/messages/count_tokens", messages.count_tokens, ["POST"]),
     ("/v1/embeddings", embeddings.create_embedding, ["POST"]),
     ("/v1/models", models.list_models, ["GET"]),
     ("/v1/models/{model_id:path}", models.retrieve_model, ["GET"]),

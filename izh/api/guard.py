@@ -28,8 +28,9 @@ from pydantic import BaseModel
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from izh.api.errors import error_json_response, to_izh_error
+from izh.api.errors import error_json_response, is_anthropic_path, to_izh_error
 from izh.api.limits import NOT_JSON, RequestLimits, parse_json
+from izh.api.messages.protocol import CountTokensRequest, MessagesRequest
 from izh.api.protocol import (
     PARSED_BODY,
     ChatCompletionRequest,
@@ -61,12 +62,16 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/version"})
 """Open without an API key (and /metrics unless metrics_require_auth); every other path needs one."""
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"})
+GENERATION_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/embeddings"}
+)
 """The routes that run the model: rate-limited, and where a RequestScope collects usage."""
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
     "/v1/embeddings": EmbeddingRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
@@ -215,7 +220,9 @@ class RequestGuardMiddleware:
             try:
                 request_scope, receive, reservation = await self._admit(scope, headers, receive, record)
             except IzhError as refusal:
-                await error_json_response(refusal)(scope, receive, send_with_id)
+                await error_json_response(refusal, anthropic=is_anthropic_path(scope["path"]))(
+                    scope, receive, send_with_id
+                )
                 return
             except ClientDisconnected:
                 return
@@ -283,7 +290,9 @@ class RequestGuardMiddleware:
             if record.status:
                 raise
             # Only what escaped every handler gets here: log it once, answer in the envelope.
-            await error_json_response(to_izh_error(exc, record.request_id))(scope, receive, send)
+            await error_json_response(
+                to_izh_error(exc, record.request_id), anthropic=is_anthropic_path(scope["path"])
+            )(scope, receive, send)
         finally:
             REQUEST_SCOPE.reset(token)
             if reservation is not None:
