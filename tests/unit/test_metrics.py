@@ -6,15 +6,15 @@ import re
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from izh.api.metrics import (
+from izh.api.ops.metrics import (
     REQUEST_LATENCY_BUCKETS,
     TOKEN_LATENCY_BUCKETS,
     TTFT_BUCKETS,
     PrometheusStatLogger,
     build_1_2_5_buckets,
 )
+from izh.engine_messages import SchedulerStats
 from izh.frontend.stats import RequestMetrics, StatLogger
-from izh.protocol import SchedulerStats
 
 LABELS = 'engine="0",model_name="tiny"'
 

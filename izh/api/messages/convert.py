@@ -29,21 +29,20 @@ from typing import Any
 
 import pydantic
 
-from izh.api.errors import validation_error_to_invalid_request
-from izh.api.messages.protocol import CountTokensRequest, MessageParam, MessagesRequest
-from izh.api.protocol import (
+from izh.api.common.chat_protocol import (
     ChatCompletionRequest,
     ChatMessageParam,
     ContentPart,
     FunctionCallParam,
     FunctionDefinition,
-    JsonSchemaFormat,
     NamedToolChoice,
     NamedToolChoiceFunction,
-    ResponseFormat,
     ToolCallParam,
     ToolParam,
 )
+from izh.api.common.errors import validation_error_to_invalid_request
+from izh.api.common.protocol import JsonSchemaFormat, ResponseFormat
+from izh.api.messages.protocol import CountTokensRequest, MessageParam, MessagesRequest
 from izh.errors import InvalidRequest
 
 MIN_THINKING_BUDGET_TOKENS = 1024

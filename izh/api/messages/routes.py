@@ -15,11 +15,22 @@ import logging
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from izh.api.chat import prepare_chat
-from izh.api.chat_prompt import render_chat_prompt
-from izh.api.constraints import effective_tool_choice
-from izh.api.fanout import Child, abort_all, respond
-from izh.api.images import load_chat_images
+from izh.api.chat.prompt import render_chat_prompt
+from izh.api.chat.routes import prepare_chat
+from izh.api.common.constraints import effective_tool_choice
+from izh.api.common.fanout import Child, abort_all, respond
+from izh.api.common.images import load_chat_images
+from izh.api.common.protocol import RequestModel
+from izh.api.common.sse import SSEResponse
+from izh.api.common.state import (
+    ApiState,
+    api_state,
+    check_can_generate,
+    check_model,
+    check_serving,
+    read_json,
+    request_id_of,
+)
 from izh.api.messages.convert import chat_request
 from izh.api.messages.protocol import CountTokensRequest, MessagesRequest
 from izh.api.messages.stream import (
@@ -28,17 +39,6 @@ from izh.api.messages.stream import (
     collect_message,
     message_events,
     new_message_id,
-)
-from izh.api.protocol import RequestModel
-from izh.api.sse import SSEResponse
-from izh.api.state import (
-    ApiState,
-    api_state,
-    check_can_generate,
-    check_model,
-    check_serving,
-    read_json,
-    request_id_of,
 )
 from izh.errors import InvalidRequest
 

@@ -26,10 +26,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from izh.api.chat_choices import ChatContext, ChoiceParsers
-from izh.api.errors import anthropic_error_body, to_izh_error
-from izh.api.fanout import Child, UsageCounter, merge_outputs
-from izh.api.sse import with_keepalive
+from izh.api.chat.choices import ChatContext, ChoiceParsers
+from izh.api.common.errors import anthropic_error_body, to_izh_error
+from izh.api.common.fanout import Child, UsageCounter, merge_outputs
+from izh.api.common.sse import with_keepalive
 from izh.errors import IzhError
 from izh.parsers.tool_calls import ContentDelta, Delta, ToolCallDelta
 
