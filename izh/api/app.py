@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -73,6 +74,14 @@ ROUTES: list[tuple[str, Any, list[str]]] = [
 """(path, endpoint, methods) of every route, in the order they are registered."""
 
 
+def read_chat_template(path: Path) -> str:
+    """A chat template file's source (server.chat_template); ValueError naming the file otherwise."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"server.chat_template: cannot read {path}: {exc}") from None
+
+
 def build_app(
     llm: AsyncLLM,
     server: ServerSettings | None = None,
@@ -103,6 +112,8 @@ def build_app(
     # Without a [limits] section (tests, embedding apps) a request's own chat template is trusted.
     limits = limits if limits is not None else LimitSettings(trust_request_chat_template=True)
     tokenizer = llm.tokenizer
+    if s.chat_template is not None:
+        tokenizer.override_chat_template(read_chat_template(s.chat_template))
     parser = resolve_reasoning_parser(s.reasoning_parser, tokenizer.chat_template)
     select_tool_parser(s.tool_call_parser, tokenizer.chat_template)  # fail fast on an unknown name
     engine_ready = llm.ready
