@@ -40,6 +40,7 @@ from izh.api.ops import lora, models, tokenize
 from izh.api.ops.metrics import PrometheusStatLogger
 from izh.api.ops.request_log import RequestLogger
 from izh.api.ops.routes import OPS_ROUTES, openapi_schema
+from izh.api.rerank import routes as rerank
 from izh.api.responses import routes as responses
 from izh.api.responses.store import ResponseStore
 from izh.api.webui.routes import register_web_ui
@@ -62,6 +63,10 @@ ROUTES: list[tuple[str, Any, list[str]]] = [
     ("/v1/messages", messages.create_message, ["POST"]),
     ("/v1/messages/count_tokens", messages.count_tokens, ["POST"]),
     ("/v1/embeddings", embeddings.create_embedding, ["POST"]),
+    ("/v1/rerank", rerank.rerank, ["POST"]),
+    ("/rerank", rerank.rerank, ["POST"]),
+    ("/score", rerank.score, ["POST"]),
+    ("/v1/score", rerank.score, ["POST"]),
     ("/v1/models", models.list_models, ["GET"]),
     ("/v1/models/{model_id:path}", models.retrieve_model, ["GET"]),
     ("/tokenize", tokenize.tokenize, ["POST"]),

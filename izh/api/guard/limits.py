@@ -113,6 +113,10 @@ class RequestLimits:
             "/tokenize": self.check_tokenize,
             "/detokenize": self.check_detokenize,
             "/v1/embeddings": self.check_embeddings,
+            "/v1/rerank": self.check_scoring,
+            "/rerank": self.check_scoring,
+            "/score": self.check_scoring,
+            "/v1/score": self.check_scoring,
         }.get(path)
 
     # --- per route ---------------------------------------------------------------------------------
@@ -173,6 +177,13 @@ class RequestLimits:
         inputs = body.get("input")
         if isinstance(inputs, list) and inputs and not all(_is_int(item) for item in inputs):
             self._count("input", inputs, self.settings.max_embedding_inputs, "max_embedding_inputs", "inputs")
+
+    def check_scoring(self, body: dict[str, Any]) -> None:
+        """Rerank's documents and score's texts count as embedding inputs."""
+        for field in ("documents", "text_1", "text_2"):
+            texts = body.get(field)
+            if isinstance(texts, list):
+                self._count(field, texts, self.settings.max_embedding_inputs, "max_embedding_inputs", "texts")
 
     def check_tokenize(self, body: dict[str, Any]) -> None:
         self._check_messages(body)

@@ -41,6 +41,7 @@ from izh.api.common.protocol import (
 from izh.api.guard.limits import NOT_JSON, RequestLimits, parse_json
 from izh.api.guard.ratelimit import (
     ANONYMOUS_KEY_ID,
+    SCORING_PATHS,
     RateLimiter,
     Reservation,
     api_key_cache_salt,
@@ -55,6 +56,7 @@ from izh.api.ops.protocol import (
     UnloadLoraAdapterRequest,
 )
 from izh.api.ops.request_log import RequestLogger, RequestRecord
+from izh.api.rerank.protocol import RerankRequest, ScoreRequest
 from izh.api.responses.protocol import ResponsesRequest
 from izh.errors import InvalidRequest, IzhError, PayloadTooLarge, RequestTimeout, Unauthorized
 from izh.frontend.async_llm import REQUEST_SCOPE, RequestScope
@@ -68,6 +70,7 @@ PUBLIC_PATHS = frozenset({"/health", "/ready", "/version"})
 """Open without an API key (and /metrics unless metrics_require_auth); every other path needs one."""
 GENERATION_PATHS = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/embeddings"}
+    | SCORING_PATHS
 )
 """The routes that run the model: rate-limited, and where a RequestScope collects usage."""
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
@@ -77,6 +80,10 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/messages": MessagesRequest,
     "/v1/messages/count_tokens": CountTokensRequest,
     "/v1/embeddings": EmbeddingRequest,
+    "/v1/rerank": RerankRequest,
+    "/rerank": RerankRequest,
+    "/score": ScoreRequest,
+    "/v1/score": ScoreRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
     "/v1/load_lora_adapter": LoadLoraAdapterRequest,
@@ -260,7 +267,7 @@ class RequestGuardMiddleware:
                 COMPLETIONS_DEFAULT_MAX_TOKENS
                 if path == "/v1/completions"
                 else 0
-                if path == "/v1/embeddings"  # no output tokens
+                if path == "/v1/embeddings" or path in SCORING_PATHS  # no output tokens
                 else policy.default_max_tokens
             )
             estimate = estimate_request_tokens(
