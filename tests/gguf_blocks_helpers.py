@@ -29,7 +29,14 @@ def random_blocks(name: str, rows: int, k: int, rng: np.random.Generator, scale:
     _, bs, nb = GGUF_BLOCK_TYPES[name]
     blocks = rng.integers(0, 256, size=(rows, k // bs, nb), dtype=np.uint8)
     # the codes' magnitude (times the sub-block scales for the K-quants) the fp16 scale divides out
-    span = {"Q4_K": 15 * 63, "Q5_K": 31 * 63, "Q6_K": 32 * 127, "IQ4_XS": 127 * 32, "Q8_0": 127}.get(name, 16)
+    span = {
+        "Q4_K": 15 * 63,
+        "Q5_K": 31 * 63,
+        "Q6_K": 32 * 127,
+        "IQ4_XS": 127 * 32,
+        "Q8_0": 127,
+        "IQ4_NL": 127,
+    }.get(name, 16)
     for i, off in enumerate(_FP16_FIELDS[name]):
         magnitude = scale / span if i == 0 else scale / (63 if name in ("Q4_K", "Q5_K") else 1)
         values = (rng.uniform(0.2, 1.0, size=(rows, k // bs)) * magnitude).astype(np.float16)

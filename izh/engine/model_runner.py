@@ -176,7 +176,13 @@ class ModelRunner:
             pooling=config.pooling,
             normalize=config.normalize_embeddings,
         )
-        pack_model_weights(self.model, self.quantization, source_types, requested=config.quantization)
+        pack_model_weights(
+            self.model,
+            self.quantization,
+            source_types,
+            requested=config.quantization,
+            checkpoint=config.model,
+        )
         logger.info("model loaded in %.2f s (%s, %s)", time.perf_counter() - start, self.device, self.dtype)
         if self.device.type == "cpu":
             # Build (or load the cached) fused CPU kernels now, not inside the first request.

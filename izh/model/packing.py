@@ -19,8 +19,11 @@ from torch import Tensor
 
 from izh.errors import ModelLoadError
 from izh.kernels import cpu as cpu_ops
+from izh.model.layers import Linear
 from izh.model.packed import (
     TORCH_PACKED_MAX_ROWS,
+    GGUFBlocks,
+    GGUFPart,
     PackedWeight,
     int4_supported,
     quantize_int4,
@@ -29,7 +32,8 @@ from izh.model.packed import (
     quantize_q8_records,
     records_supported,
 )
-from izh.model.weights import linear_checkpoint_names
+from izh.model.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from izh.model.weights import checkpoint_targets, linear_checkpoint_names
 
 if TYPE_CHECKING:
     from izh.model.llama import LlamaForCausalLM
@@ -40,6 +44,7 @@ QUANTIZATION_MODES = ("auto", "none", "int4", "int8")
 
 # GGUF tensor types whose values are exactly int4 with group 32 (see the module docstring).
 _GGUF_INT4_TYPES = frozenset({"Q4_0", "Q4_1"})
+_PARALLEL = (ColumnParallelLinear, RowParallelLinear)
 
 
 def _pack_int4(weight: Tensor) -> PackedWeight:
@@ -84,7 +89,12 @@ def resolve_quantization(
 
 
 def pack_model_weights(
-    model: LlamaForCausalLM, mode: str, source_types: dict[str, str], *, requested: str
+    model: LlamaForCausalLM,
+    mode: str,
+    source_types: dict[str, str],
+    *,
+    requested: str,
+    checkpoint: str | None = None,
 ) -> int:
     """Give every Linear (and the LM head) packed weights; returns the bytes added (net of the dense
     weights dropped, which a float32 model no longer needs: its records serve every step).
@@ -96,13 +106,16 @@ def pack_model_weights(
     """
     if mode == "none":
         return 0
+    native = 0
+    if checkpoint is not None and requested == "auto" and model.dtype == torch.float32:
+        native = _pack_gguf_blocks(model, checkpoint)
     head = model.lm_head
     # float32 records serve every step, so a linear packed with them needs its dense weight no more:
     # dropping it right away keeps the load's peak memory at about the dense model's.
     records_only = model.dtype == torch.float32
     added = dropped = 0
     for linear, names in linear_checkpoint_names(model).items():
-        if linear is head:
+        if linear is head or isinstance(linear.packed, GGUFBlocks):
             continue
         weight = linear.weight
         if records_only and not records_supported(weight):
@@ -116,7 +129,9 @@ def pack_model_weights(
             dropped += weight.nbytes
             linear.weight = torch.nn.Parameter(weight.new_empty(0, weight.shape[1]), requires_grad=False)
     head_weight = head.weight if head is not None else model.model.embed_tokens.weight
-    if not records_only or records_supported(head_weight):
+    if isinstance(model.packed_lm_head, GGUFBlocks):
+        pass
+    elif not records_only or records_supported(head_weight):
         lm_head_packed = _pack_int8(head_weight)
         model.packed_lm_head = lm_head_packed
         added += lm_head_packed.nbytes
@@ -141,5 +156,68 @@ def pack_model_weights(
             cpu_ops.qgemm_max_rows() if records else TORCH_PACKED_MAX_ROWS,
             "izh" if records else "torch",
             added / 1e6,
+        )
+    return native + added - dropped
+
+
+def _pack_gguf_blocks(model: LlamaForCausalLM, checkpoint: str) -> int:
+    """Give every linear, the LM head and the token embedding whose GGUF tensors are in a type the block
+    kernels serve (izh.kernels.cpu.gguf_blocks) the file's own blocks, and drop their dense weights.
+    Returns the bytes added net of those dropped. Needs the C kernels (float32 activations)."""
+    from izh.model import gguf_loader
+    from izh.model.gguf_file import GGUFFile
+    from izh.model.loader import is_gguf
+
+    if not is_gguf(checkpoint) or not cpu_ops.records_f32_available():
+        return 0
+    embed = model.model.embed_tokens
+    linears = [m for m in model.modules() if isinstance(m, Linear) and not isinstance(m, _PARALLEL)]
+    targets = checkpoint_targets(model)
+    wanted = {name for name, target in targets.items() if any(target.param is lin.weight for lin in linears)}
+    embed_name = "model.embed_tokens.weight"
+    if not isinstance(embed, VocabParallelEmbedding):
+        wanted.add(embed_name)
+    with GGUFFile(checkpoint) as file:
+        blocks = gguf_loader.block_weights(file, gguf_loader.gguf_model_config(file), wanted)
+    added = dropped = 0
+    counts: dict[str, int] = {}
+    for linear in linears:
+        rows = sorted(
+            (target.rows or (0, linear.weight.shape[0]), name)
+            for name, target in targets.items()
+            if target.param is linear.weight
+        )
+        if not rows or any(name not in blocks for _, name in rows):
+            continue  # a float tensor, or a type without a kernel: packed as before
+        packed = GGUFBlocks(
+            tuple(GGUFPart(*blocks[name]) for _, name in rows), linear.weight.shape[0], linear.in_features
+        )
+        for _, name in rows:
+            counts[blocks[name][0]] = counts.get(blocks[name][0], 0) + 1
+        if linear is model.lm_head:
+            model.packed_lm_head = packed
+        else:
+            linear.packed = packed
+        added += packed.nbytes
+        dropped += linear.weight.nbytes
+        linear.weight = torch.nn.Parameter(
+            linear.weight.new_empty(0, linear.in_features), requires_grad=False
+        )
+    if embed_name in blocks:
+        table = GGUFBlocks((GGUFPart(*blocks[embed_name]),), *embed.weight.shape)
+        embed.packed = table
+        added += table.nbytes
+        if model.lm_head is None:
+            model.packed_lm_head = table  # tied: the head runs in the embedding's own format
+        dropped += embed.weight.nbytes
+        embed.weight = torch.nn.Parameter(
+            embed.weight.new_empty(0, embed.weight.shape[1]), requires_grad=False
+        )
+    if added:
+        logger.info(
+            "serving GGUF tensors in their own blocks (%s): %.1f MB, %.1f MB of dense weights freed",
+            ", ".join(f"{n} {t}" for t, n in sorted(counts.items())) or "embedding",
+            added / 1e6,
+            dropped / 1e6,
         )
     return added - dropped
