@@ -162,7 +162,12 @@ class ModelRunner:
             torch.set_num_threads(self._cpu_threads(config))
         start = time.perf_counter()
         model, self.model_config = load_model(
-            config.model, dtype=self.dtype, device=self.device, progress=progress, tp=tp
+            config.model,
+            dtype=self.dtype,
+            device=self.device,
+            progress=progress,
+            tp=tp,
+            gguf_blocks=config.quantization == "auto" and self.quantization != "none",
         )
         # Every registered architecture but the encoders is a LlamaForCausalLM (see izh.model.registry);
         # an encoder (BERT) only runs forward, in the pooling path.
@@ -176,13 +181,7 @@ class ModelRunner:
             pooling=config.pooling,
             normalize=config.normalize_embeddings,
         )
-        pack_model_weights(
-            self.model,
-            self.quantization,
-            source_types,
-            requested=config.quantization,
-            checkpoint=config.model,
-        )
+        pack_model_weights(self.model, self.quantization, source_types, requested=config.quantization)
         logger.info("model loaded in %.2f s (%s, %s)", time.perf_counter() - start, self.device, self.dtype)
         if self.device.type == "cpu":
             # Build (or load the cached) fused CPU kernels now, not inside the first request.

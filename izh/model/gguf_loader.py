@@ -43,8 +43,26 @@ ROPE_FREQS_TENSOR = "rope_freqs.weight"
 _FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
+_DEQUANTIZED_TYPES = frozenset(
+    {"Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0"}
+)
+"""Quantized types without a block kernel: dequantized at load (gguf-py) and packed as int8 records."""
+SERVED_TYPES = _FLOAT_TYPES | frozenset(GGUF_BLOCK_TYPES) | _DEQUANTIZED_TYPES
+
+
+def check_servable(file: GGUFFile) -> None:
+    """ModelLoadError naming the first weight tensor whose type izh cannot serve, and the type."""
+    for t in file.tensors:
+        if t.ggml_type.name not in SERVED_TYPES:
+            raise ModelLoadError(
+                f"GGUF tensor {t.name} has type {t.ggml_type.name}, which izh cannot serve "
+                f"(served: {', '.join(sorted(SERVED_TYPES))})"
+            )
+
+
 def gguf_model_config(file: GGUFFile) -> ModelConfig:
-    """ModelConfig from a GGUF file's metadata and tensor descriptors."""
+    """ModelConfig from a GGUF file's metadata and tensor descriptors (every tensor's type checked)."""
+    check_servable(file)
     shapes = {t.name: t.shape for t in file.tensors}
     freq_factors = None
     for t in file.tensors:

@@ -19,6 +19,9 @@ from torch import Tensor
 
 from izh.errors import ModelLoadError
 from izh.kernels import cpu as cpu_ops
+from izh.model import gguf_loader
+from izh.model.config import ModelConfig
+from izh.model.gguf_file import GGUFFile
 from izh.model.layers import Linear
 from izh.model.packed import (
     TORCH_PACKED_MAX_ROWS,
@@ -94,7 +97,6 @@ def pack_model_weights(
     source_types: dict[str, str],
     *,
     requested: str,
-    checkpoint: str | None = None,
 ) -> int:
     """Give every Linear (and the LM head) packed weights; returns the bytes added (net of the dense
     weights dropped, which a float32 model no longer needs: its records serve every step).
@@ -106,9 +108,6 @@ def pack_model_weights(
     """
     if mode == "none":
         return 0
-    native = 0
-    if checkpoint is not None and requested == "auto" and model.dtype == torch.float32:
-        native = _pack_gguf_blocks(model, checkpoint)
     head = model.lm_head
     # float32 records serve every step, so a linear packed with them needs its dense weight no more:
     # dropping it right away keeps the load's peak memory at about the dense model's.
@@ -157,28 +156,29 @@ def pack_model_weights(
             "izh" if records else "torch",
             added / 1e6,
         )
-    return native + added - dropped
+    return added - dropped
 
 
-def _pack_gguf_blocks(model: LlamaForCausalLM, checkpoint: str) -> int:
-    """Give every linear, the LM head and the token embedding whose GGUF tensors are in a type the block
-    kernels serve (izh.kernels.cpu.gguf_blocks) the file's own blocks, and drop their dense weights.
-    Returns the bytes added net of those dropped. Needs the C kernels (float32 activations)."""
-    from izh.model import gguf_loader
-    from izh.model.gguf_file import GGUFFile
-    from izh.model.loader import is_gguf
-
-    if not is_gguf(checkpoint) or not cpu_ops.records_f32_available():
-        return 0
+def pack_gguf_blocks(model: LlamaForCausalLM, file: GGUFFile, config: ModelConfig) -> set[str]:
+    """Before the weights load: give every linear, the LM head and the token embedding whose GGUF tensors
+    are in a type the block kernels serve (izh.kernels.cpu.gguf_blocks) the file's own blocks, and make
+    their dense weights empty. Returns the checkpoint names so served (the loader skips them). Needs a
+    float32 model and the C kernels; a model sharded for tensor parallelism keeps its dense path."""
     embed = model.model.embed_tokens
-    linears = [m for m in model.modules() if isinstance(m, Linear) and not isinstance(m, _PARALLEL)]
+    if (
+        model.dtype != torch.float32
+        or not cpu_ops.records_f32_available()
+        or isinstance(embed, VocabParallelEmbedding)
+    ):
+        return set()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if any(isinstance(m, _PARALLEL) for m in linears):
+        return set()
     targets = checkpoint_targets(model)
     wanted = {name for name, target in targets.items() if any(target.param is lin.weight for lin in linears)}
     embed_name = "model.embed_tokens.weight"
-    if not isinstance(embed, VocabParallelEmbedding):
-        wanted.add(embed_name)
-    with GGUFFile(checkpoint) as file:
-        blocks = gguf_loader.block_weights(file, gguf_loader.gguf_model_config(file), wanted)
+    blocks = gguf_loader.block_weights(file, config, wanted | {embed_name})
+    served: set[str] = set()
     added = dropped = 0
     counts: dict[str, int] = {}
     for linear in linears:
@@ -188,12 +188,13 @@ def _pack_gguf_blocks(model: LlamaForCausalLM, checkpoint: str) -> int:
             if target.param is linear.weight
         )
         if not rows or any(name not in blocks for _, name in rows):
-            continue  # a float tensor, or a type without a kernel: packed as before
+            continue  # a float tensor, or a type without a kernel: packed after loading, as before
         packed = GGUFBlocks(
             tuple(GGUFPart(*blocks[name]) for _, name in rows), linear.weight.shape[0], linear.in_features
         )
         for _, name in rows:
             counts[blocks[name][0]] = counts.get(blocks[name][0], 0) + 1
+            served.add(name)
         if linear is model.lm_head:
             model.packed_lm_head = packed
         else:
@@ -206,6 +207,8 @@ def _pack_gguf_blocks(model: LlamaForCausalLM, checkpoint: str) -> int:
     if embed_name in blocks:
         table = GGUFBlocks((GGUFPart(*blocks[embed_name]),), *embed.weight.shape)
         embed.packed = table
+        served.add(embed_name)
+        counts[table.parts[0].ggml_type] = counts.get(table.parts[0].ggml_type, 0) + 1
         added += table.nbytes
         if model.lm_head is None:
             model.packed_lm_head = table  # tied: the head runs in the embedding's own format
@@ -213,11 +216,11 @@ def _pack_gguf_blocks(model: LlamaForCausalLM, checkpoint: str) -> int:
         embed.weight = torch.nn.Parameter(
             embed.weight.new_empty(0, embed.weight.shape[1]), requires_grad=False
         )
-    if added:
+    if served:
         logger.info(
-            "serving GGUF tensors in their own blocks (%s): %.1f MB, %.1f MB of dense weights freed",
-            ", ".join(f"{n} {t}" for t, n in sorted(counts.items())) or "embedding",
+            "GGUF tensors served in their own blocks (%s): %.1f MB instead of %.1f MB of float32",
+            ", ".join(f"{n} {t}" for t, n in sorted(counts.items())),
             added / 1e6,
             dropped / 1e6,
         )
-    return added - dropped
+    return served

@@ -57,8 +57,18 @@ def _shapes(tied: bool) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def write_random_gguf(path: Path, arch: str, types: dict[str, str], *, tied: bool, seed: int = 0) -> str:
-    """A tiny `arch` GGUF whose 2-D tensors are random blocks of the type `types` gives their role."""
+def write_random_gguf(
+    path: Path,
+    arch: str,
+    types: dict[str, str],
+    *,
+    tied: bool,
+    seed: int = 0,
+    replace: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
+) -> str:
+    """A tiny `arch` GGUF whose 2-D tensors are random blocks of the type `types` gives their role;
+    `replace` substitutes raw bytes of a given type for named tensors (to make bad files)."""
+    replace = replace or {}
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(256)
@@ -73,6 +83,10 @@ def write_random_gguf(path: Path, arch: str, types: dict[str, str], *, tied: boo
     for name, (rows, cols) in _shapes(tied).items():
         qtype = types[name.split(".")[-2]]
         scale = 0.5 if name.startswith(("token_embd", "output")) else 0.08
+        if name in replace:
+            data, raw_type = replace[name]
+            w.add_tensor(name, data, raw_dtype=raw_type)
+            continue
         w.add_tensor(
             name, random_blocks(qtype, rows, cols, rng, scale), raw_dtype=gguf.GGMLQuantizationType[qtype]
         )
@@ -147,10 +161,10 @@ def transformers_model(path: str, arch: str, tied: bool) -> torch.nn.Module:
 
 def load_served(path: str) -> torch.nn.Module:
     """izh's model as the engine packs it (quantization auto)."""
-    model, _ = load_model(path, dtype=torch.float32)
+    model, _ = load_model(path, dtype=torch.float32, gguf_blocks=True)
     with GGUFFile(path) as file:
         types = quantized_tensor_types(file)
-    pack_model_weights(model, "int4", types, requested="auto", checkpoint=path)
+    pack_model_weights(model, "int4", types, requested="auto")
     return model
 
 
