@@ -144,6 +144,21 @@ INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
         b->dw = gq_f16(p);
         b->mw = f ? gq_f16(p + 2) : 0.0f;
         const int off = f ? 0 : 16;
+#if defined(__AVX2__)
+        {   /* byte j: bit j of h (llama.cpp's bytes_from_bits_32), | the nibble j (low, then high) */
+            const __m256i spread = _mm256_shuffle_epi8(
+                _mm256_set1_epi32((int32_t)h),
+                _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+            const __m256i bit = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                                  _mm256_set1_epi64x(-1));
+            const __m128i lo = _mm_loadu_si128((const __m128i *)qs);
+            const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), _mm256_set1_epi8(15));
+            const __m256i v = _mm256_or_si256(nib, _mm256_and_si256(bit, _mm256_set1_epi8(16)));
+            _mm256_store_si256((__m256i *)c, _mm256_sub_epi8(v, _mm256_set1_epi8((char)off)));
+            b->s[0] = b->s[1] = 1;
+            break;
+        }
+#endif
         for (int j = 0; j < 16; j++) {
             const int h0 = (int)((h >> j) << 4) & 0x10, h1 = (int)(h >> (j + 12)) & 0x10;
             c[j] = (int8_t)(((qs[j] & 15) | h0) - off);
@@ -368,8 +383,99 @@ INLINE void gq_rows(const int type, const uint8_t *w, int64_t row_bytes, int64_t
     }
 }
 
+#if defined(__AVX2__)
+/* The 8 lanes' sums of 8 vectors, as one vector (lane i: the sum of v[i]'s lanes). */
+INLINE __m256i gq_reduce8(const __m256i *v) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* Output rows [n0, n0 + 8) for activation rows [m0, m1): gq_rows' arithmetic, 8 outputs in the lanes of
+ * one vector, so that the epilogue (the same operations per output, in the same order) runs once for all
+ * 8 and no per-block horizontal sum stands in the way. Sub-block scales are applied in 16-bit lanes
+ * (vpmaddwd of the pair sums by the scale: |pair| <= 32512, |scale| <= 128). */
+INLINE void gq_rows8(const int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t m0, int64_t m1,
+                     int64_t K, const int8_t *xq, const float *dx, const float *ex, const int32_t *qs16, float *out,
+                     int64_t os) {
+    int bytes, mk;
+    const int bs = gq_info(type, &bytes, &mk);
+    const int nr = bs / 32;
+    const int64_t blocks = K / bs;
+    gq_block blk[8];
+    __m256i sv[8][8];
+    __m256 acc[GQ_MC];
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t m = m0; m < m1; m++) acc[m - m0] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        float dw[8], mw[8];
+        for (int i = 0; i < 8; i++) {
+            gq_decode(type, w + (n0 + i) * row_bytes + b * bytes, &blk[i]);
+            dw[i] = blk[i].dw;
+            mw[i] = blk[i].mw;
+            if (bs == 256)
+                for (int r = 0; r < nr; r++)
+                    sv[i][r] = _mm256_setr_m128i(_mm_set1_epi16((int16_t)blk[i].s[2 * r]),
+                                                 _mm_set1_epi16((int16_t)blk[i].s[2 * r + 1]));
+        }
+        const __m256 dwv = _mm256_loadu_ps(dw), mwv = _mm256_loadu_ps(mw);
+        for (int64_t m = m0; m < m1; m++) {
+            const int8_t *q = xq + m * K + b * bs;
+            __m256i t[8];
+            for (int i = 0; i < 8; i++) {
+                __m256i a = _mm256_setzero_si256();
+                for (int r = 0; r < nr; r++) {
+                    const __m256i c = _mm256_load_si256((const __m256i *)(blk[i].c + 32 * r));
+                    const __m256i sq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + 32 * r)), c);
+                    if (bs == 256) {
+                        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), sq), sv[i][r]));
+                    } else {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                        a = _mm256_dpbusd_epi32(a, _mm256_abs_epi8(c), sq);
+#else
+                        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), sq), ones));
+#endif
+                    }
+                }
+                t[i] = a;
+            }
+            const int64_t g = m * blocks + b;
+            const __m256 vdx = _mm256_set1_ps(dx[g]);
+            __m256 a = _mm256_add_ps(acc[m - m0], _mm256_mul_ps(_mm256_cvtepi32_ps(gq_reduce8(t)), _mm256_mul_ps(dwv, vdx)));
+            if (mk == GQ_MIN_FLOAT) a = _mm256_add_ps(a, _mm256_mul_ps(mwv, _mm256_set1_ps(ex[g])));
+            if (mk == GQ_MIN_INT) {
+                const int32_t *s16 = qs16 + m * (K / 16) + b * (bs / 16);
+                int32_t ms[8];
+                for (int i = 0; i < 8; i++) {
+                    int32_t msum = 0;
+                    for (int j = 0; j < bs / 16; j++) msum += blk[i].m[j] * s16[j];
+                    ms[i] = msum;
+                }
+                const __m256 vm = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)ms));
+                a = _mm256_sub_ps(a, _mm256_mul_ps(vm, _mm256_mul_ps(mwv, vdx)));
+            }
+            acc[m - m0] = a;
+        }
+    }
+    for (int64_t m = m0; m < m1; m++) {
+        float v[8];
+        _mm256_storeu_ps(v, acc[m - m0]);
+        for (int i = 0; i < 8; i++) out[m * os + n0 + i] = v[i];
+    }
+}
+
+#define GQ_ROWS(T)                                                                                            \
+    do {                                                                                                      \
+        int64_t n = n0;                                                                                       \
+        for (; n + 8 <= n1; n += 8) gq_rows8(T, w, row_bytes, n, m0, m1, K, xq, dx, ex, qs16, out, os);       \
+        if (n < n1) gq_rows(T, w, row_bytes, n, n1, m0, m1, K, xq, dx, ex, qs16, out, os);                  \
+    } while (0)
+#else
+#define GQ_ROWS(T) gq_rows(T, w, row_bytes, n0, n1, m0, m1, K, xq, dx, ex, qs16, out, os)
+#endif
+
 #define GQ_CASE(T)                                                                                            \
-    case T: gq_rows(T, w, row_bytes, n0, n1, m0, m1, K, xq, dx, ex, qs16, out, os); break;
+    case T: GQ_ROWS(T); break;
 
 static void gq_dispatch(int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t m0,
                         int64_t m1, int64_t K, const int8_t *xq, const float *dx, const float *ex,
