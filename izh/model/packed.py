@@ -17,6 +17,10 @@ Two kernel families, chosen at load time:
 - PyTorch's (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) otherwise: int4 in the same groups
   (w = (q - 8) * scale + zero, scales and zeros [in / group_size, out, 2]) and int8 per output row.
 
+A GGUF file's own blocks (`GGUFBlocks`, izh.kernels.cpu.gguf_blocks) are a third form: the weight stays
+in the file's bytes (Q4_K, Q6_K, Q5_0, ...) and float32 activations, int8 per block inside the kernel,
+meet it at any row count.
+
 This module knows tensors only; the pass that packs a whole model's linears is `izh.model.packing`."""
 
 from __future__ import annotations

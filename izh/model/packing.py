@@ -7,6 +7,10 @@ A GGUF Q4_0 / Q4_1 tensor is exactly such an int4 tensor (group 32), so re-quant
 values by each group's min and max recovers the file's own 4-bit codes; likewise a Q8_0 tensor's codes by
 each group's largest magnitude. For those models the packed path loses nothing beyond rounding the scales
 to bfloat16.
+
+A float32 model loaded with `gguf_blocks` goes further (`pack_gguf_blocks`, run by the loader before the
+weights are read): every tensor in a type the block kernels serve keeps the file's own blocks, with no
+re-quantization at all, and is never dequantized; `pack_model_weights` then leaves those linears alone.
 """
 
 from __future__ import annotations
