@@ -11,6 +11,8 @@ to bfloat16.
 A float32 model loaded with `gguf_blocks` goes further (`pack_gguf_blocks`, run by the loader before the
 weights are read): every tensor in a type the block kernels serve keeps the file's own blocks, with no
 re-quantization at all, and is never dequantized; `pack_model_weights` then leaves those linears alone.
+A file whose linears are all Q4_0 / Q4_1 / Q8_0 (SmolLM2's Q4_1, say) keeps the records instead: they hold
+the same codes, and the fused C decode stack, which reads records only, is faster on small models.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ QUANTIZATION_MODES = ("auto", "none", "int4", "int8")
 # GGUF tensor types whose values are exactly int4 with group 32 (see the module docstring).
 _GGUF_INT4_TYPES = frozenset({"Q4_0", "Q4_1"})
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear)
+# GGUF types izh's records hold with the same codes (scales rounded to bfloat16).
+_RECORD_EXACT_TYPES = _GGUF_INT4_TYPES | {"Q8_0"}
 
 
 def _pack_int4(weight: Tensor) -> PackedWeight:
@@ -182,6 +186,11 @@ def pack_gguf_blocks(model: LlamaForCausalLM, file: GGUFFile, config: ModelConfi
     wanted = {name for name, target in targets.items() if any(target.param is lin.weight for lin in linears)}
     embed_name = "model.embed_tokens.weight"
     blocks = gguf_loader.block_weights(file, config, wanted | {embed_name})
+    linear_types = {blocks[name][0] for name in wanted if name in blocks}
+    if linear_types <= _RECORD_EXACT_TYPES:
+        # Every linear fits izh's records as well, whose fused C decode stack is faster on small models:
+        # the records path stays (a file with one K-quant linear turns the stack off anyway).
+        return set()
     served: set[str] = set()
     added = dropped = 0
     counts: dict[str, int] = {}

@@ -17,13 +17,14 @@ from izh.kernels import cpu as cpu_ops
 from izh.model import AttentionMetadata, load_model
 from izh.model.gguf_file import GGUFFile
 from izh.model.gguf_loader import quantized_tensor_types
-from izh.model.packed import GGUFBlocks
+from izh.model.packed import GGUFBlocks, Q4Records, Q8Records
 from izh.model.packing import pack_model_weights
 from tests.fixtures.checkpoints import llama_cpp_permute
 from tests.gguf_blocks_helpers import random_blocks
 
 HIDDEN, HEADS, KV_HEADS, INTER, VOCAB, LAYERS = 256, 4, 2, 512, 300, 2
 NEAR_TIE_NATS = 0.05
+RECORD_EXACT = ("Q4_0", "Q4_1", "Q8_0")
 # What llama.cpp's Q4_K_M gives each tensor of a small model (attn_v / ffn_down one step up, and the
 # formats for tensors whose rows are not whole 256-blocks).
 Q4_K_M = {
@@ -199,6 +200,8 @@ def test_each_format_serves_in_its_own_blocks_with_transformers_greedy_tokens(
 ) -> None:
     arch, tied = ARCH_CASES[len(fmt) % 2]
     types = Q4_K_M if fmt == "Q4_K_M" else dict.fromkeys(Q4_K_M, fmt)
+    if fmt in RECORD_EXACT:
+        types["ffn_down"] = "Q6_K"  # else the file keeps izh's records (next test)
     path = write_random_gguf(tmp_path / f"{fmt}.gguf", arch, types, tied=tied)
     ours, hf = load_served(path), transformers_model(path, arch, tied)
     layer = ours.model.layers[0]
@@ -216,6 +219,18 @@ def test_each_format_serves_in_its_own_blocks_with_transformers_greedy_tokens(
         assert [p.ggml_type for p in qkv.parts] == ["Q4_K", "Q5_0", "Q6_K"]
     agreed = [greedy_matches(ours, hf, prompt, 12) for prompt in PROMPTS]
     assert sum(agreed) >= 24, agreed  # most of the way: a near tie ends a comparison early
+
+
+@pytest.mark.skipif(not cpu_ops.records_f32_available(), reason="izh's C kernels are not built here")
+def test_a_file_of_q4_0_q4_1_and_q8_0_linears_keeps_izhs_records(tmp_path: Path) -> None:
+    types = dict.fromkeys(Q4_K_M, "Q4_1") | {"ffn_up": "Q8_0", "attn_v": "Q4_0"}
+    path = write_random_gguf(tmp_path / "legacy.gguf", "qwen2", types, tied=True)
+    ours, hf = load_served(path), transformers_model(path, "qwen2", True)
+    layer = ours.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj.packed, Q4Records)  # Q4_1 and Q4_0 rows: int4
+    assert isinstance(layer.mlp.gate_up_proj.packed, Q8Records)  # Q4_1 and Q8_0 rows: int8
+    assert ours.model.embed_tokens.packed is None and not isinstance(ours.packed_lm_head, GGUFBlocks)
+    assert sum(greedy_matches(ours, hf, prompt, 8) for prompt in PROMPTS) >= 16
 
 
 @pytest.mark.skipif(not cpu_ops.records_f32_available(), reason="izh's C kernels are not built here")

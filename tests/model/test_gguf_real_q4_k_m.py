@@ -50,6 +50,7 @@ PROMPT = [
 ]
 
 
+@pytest.mark.timeout(1800)
 def test_a_real_q4_k_m_file_gives_transformers_greedy_tokens() -> None:
     ours = load_served(PATH)
     linears = [m for m in ours.modules() if getattr(m, "packed", None) is not None]
