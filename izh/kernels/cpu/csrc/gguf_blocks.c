@@ -34,7 +34,7 @@
 
 #include "common.h"
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -53,6 +53,11 @@ static const int8_t gq_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1,
 
 /* An fp16 value as float, exactly (subnormals included). */
 INLINE float gq_f16(const uint8_t *p) {
+#if defined(__F16C__)
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return _cvtsh_ss(v); /* exact, as below */
+#endif
     const uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
     const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
     uint32_t u;
@@ -406,6 +411,7 @@ INLINE void gq_rows8(const int type, const uint8_t *w, int64_t row_bytes, int64_
     __m256i sv[8][8];
     __m256 acc[GQ_MC];
     const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones; /* the VNNI build has no use for it */
     for (int64_t m = m0; m < m1; m++) acc[m - m0] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         float dw[8], mw[8];
