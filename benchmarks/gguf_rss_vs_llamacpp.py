@@ -2,7 +2,7 @@
 
     python benchmarks/gguf_rss_vs_llamacpp.py --model FILE.gguf --llama-server PATH/llama-server
 
-izh: a child process loads `LLM(FILE, kv_cache_memory_bytes=512 MiB)`, generates 8 tokens, and reports its
+izh: a child process loads `LLM(FILE, dtype=float32, kv_cache_memory_bytes=512 MiB, max_model_len=4096)`, generates 8 tokens, and reports its
 RSS and the KV pool's bytes (the issue's target: RSS minus the KV pool <= the file's size + 400 MB).
 llama-server: started on a free loopback port with one slot and a 4,096-token context (2 threads), one
 8-token completion, then its RSS from /proc. Memory does not depend on the machine's load, so this needs
@@ -26,7 +26,7 @@ from izh_cli.bench.report import cpu_model_and_flags
 _CHILD = r"""
 import json, sys
 from izh import LLM, SamplingParams
-llm = LLM(model=sys.argv[1], kv_cache_memory_bytes=512 << 20)
+llm = LLM(model=sys.argv[1], dtype=sys.argv[2], kv_cache_memory_bytes=512 << 20, max_model_len=4096)
 llm.generate(["def reverse(xs):"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
 with open("/proc/self/status") as f:
     rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
@@ -88,10 +88,11 @@ def main() -> None:
     )
     parser.add_argument("--model", required=True)
     parser.add_argument("--llama-server", default=None)
+    parser.add_argument("--dtype", default="float32", help="izh's dtype (float32: the GGUF block kernels)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     run = subprocess.run(
-        [sys.executable, "-c", _CHILD, args.model], capture_output=True, text=True, check=False
+        [sys.executable, "-c", _CHILD, args.model, args.dtype], capture_output=True, text=True, check=False
     )
     if run.returncode != 0:
         sys.exit(f"izh failed:\n{run.stderr[-3000:]}")
