@@ -162,7 +162,12 @@ class ModelRunner:
             torch.set_num_threads(self._cpu_threads(config))
         start = time.perf_counter()
         model, self.model_config = load_model(
-            config.model, dtype=self.dtype, device=self.device, progress=progress, tp=tp
+            config.model,
+            dtype=self.dtype,
+            device=self.device,
+            progress=progress,
+            tp=tp,
+            gguf_blocks=config.quantization == "auto" and self.quantization != "none",
         )
         # Every registered architecture but the encoders is a LlamaForCausalLM (see izh.model.registry);
         # an encoder (BERT) only runs forward, in the pooling path.

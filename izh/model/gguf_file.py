@@ -72,14 +72,22 @@ class _Cursor:
         self.offset += 8
         return int(value)
 
+    def _need(self, num_bytes: int, what: str) -> None:
+        if num_bytes < 0 or self.offset + num_bytes > len(self.buffer):
+            raise ValueError(
+                f"{what} of {num_bytes} bytes at byte {self.offset} runs past the end of the file"
+            )
+
     def string(self) -> str:
         length = self.u64()
+        self._need(length, "a string")
         start = self.offset
         self.offset += length
         return self.buffer[start : self.offset].decode("utf-8", errors="replace")
 
     def skip_string(self) -> None:
         length = self.u64()  # not `offset += self.u64()`: that would read offset before u64() moves it
+        self._need(length, "a string")
         self.offset += length
 
     def value(self, value_type: int, *, decode_arrays: bool) -> Any:
@@ -111,6 +119,7 @@ class _Cursor:
                 self.value(element_type, decode_arrays=False)
             return SkippedArray(count)
         size = struct.calcsize(fmt)
+        self._need(size * count, "an array")
         start = self.offset
         self.offset += size * count
         if not decode:
@@ -142,20 +151,26 @@ class GGUFFile:
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+        self._cursor: _Cursor | None = None
         try:
             self._parse(skip_arrays_prefix)
         except ModelLoadError:
             self._mmap.close()
             raise
-        except (struct.error, ValueError, UnicodeDecodeError, IndexError) as e:
+        except (struct.error, ValueError, UnicodeDecodeError, IndexError, OverflowError) as e:
+            at = self._cursor.offset if self._cursor is not None else 0
+            size = len(self._mmap)
             self._mmap.close()
-            raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+            raise ModelLoadError(
+                f"cannot read GGUF file {path}: corrupt or truncated header at byte offset {at} "
+                f"(file of {size} bytes): {e}"
+            ) from e
 
     def _parse(self, skip_arrays_prefix: str) -> None:
         buf = self._mmap
         if buf[:4] != _MAGIC:
             raise ModelLoadError(f"{self.path} is not a GGUF file (bad magic)")
-        cur = _Cursor(buf, 4)
+        cur = self._cursor = _Cursor(buf, 4)
         version = cur.u32()
         if version not in _SUPPORTED_VERSIONS:
             raise ModelLoadError(
@@ -171,11 +186,21 @@ class GGUFFile:
         alignment = int(self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
         data_start = -(-cur.offset // alignment) * alignment
         self.tensors: list[GGUFTensorInfo] = []
+        if alignment <= 0:
+            raise ModelLoadError(f"{self.path}: general.alignment is {alignment}")
         for name, shape, ggml_type, rel_offset in infos:
             num_bytes = _num_bytes(name, shape, ggml_type)
             offset = data_start + rel_offset
+            if rel_offset % alignment:
+                raise ModelLoadError(
+                    f"{self.path}: tensor {name} starts at byte offset {offset}, not aligned to {alignment} "
+                    "(corrupt file)"
+                )
             if offset + num_bytes > len(buf):
-                raise ModelLoadError(f"{self.path}: tensor {name} runs past the end of the file (truncated?)")
+                raise ModelLoadError(
+                    f"{self.path}: tensor {name} ({ggml_type.name}, {num_bytes} bytes at byte offset {offset}) "
+                    f"runs past the end of the file at byte {len(buf)}: truncated?"
+                )
             self.tensors.append(GGUFTensorInfo(name, shape, ggml_type, offset, num_bytes))
 
     @staticmethod
@@ -187,7 +212,10 @@ class GGUFFile:
         try:
             ggml_type = gguf.GGMLQuantizationType(type_id)
         except ValueError:
-            raise ModelLoadError(f"GGUF tensor {name} has unknown type {type_id}") from None
+            raise ModelLoadError(
+                f"GGUF tensor {name} has type id {type_id}, which izh does not know (descriptor before byte "
+                f"offset {cur.offset})"
+            ) from None
         return name, tuple(reversed(ne)), ggml_type, cur.u64()
 
     def raw(self, info: GGUFTensorInfo) -> np.ndarray:
@@ -210,6 +238,10 @@ class GGUFFile:
 
 
 def _num_bytes(name: str, shape: tuple[int, ...], ggml_type: gguf.GGMLQuantizationType) -> int:
+    if ggml_type not in gguf.GGML_QUANT_SIZES:
+        raise ModelLoadError(
+            f"GGUF tensor {name} has type {ggml_type.name}, whose block size izh does not know"
+        )
     block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
     num_elements = 1
     for n in shape:

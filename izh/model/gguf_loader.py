@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from izh.errors import ModelLoadError
+from izh.kernels.cpu.gguf_blocks import GGUF_BLOCK_TYPES
 from izh.model.config import ModelConfig
 from izh.model.gguf_file import GGUFFile, GGUFTensorInfo
 from izh.model.weights import CheckpointTensor
@@ -42,8 +43,26 @@ ROPE_FREQS_TENSOR = "rope_freqs.weight"
 _FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
+_DEQUANTIZED_TYPES = frozenset(
+    {"Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0"}
+)
+"""Quantized types without a block kernel: dequantized at load (gguf-py) and packed as int8 records."""
+SERVED_TYPES = _FLOAT_TYPES | frozenset(GGUF_BLOCK_TYPES) | _DEQUANTIZED_TYPES
+
+
+def check_servable(file: GGUFFile) -> None:
+    """ModelLoadError naming the first weight tensor whose type izh cannot serve, and the type."""
+    for t in file.tensors:
+        if t.ggml_type.name not in SERVED_TYPES:
+            raise ModelLoadError(
+                f"GGUF tensor {t.name} has type {t.ggml_type.name}, which izh cannot serve "
+                f"(served: {', '.join(sorted(SERVED_TYPES))})"
+            )
+
+
 def gguf_model_config(file: GGUFFile) -> ModelConfig:
-    """ModelConfig from a GGUF file's metadata and tensor descriptors."""
+    """ModelConfig from a GGUF file's metadata and tensor descriptors (every tensor's type checked)."""
+    check_servable(file)
     shapes = {t.name: t.shape for t in file.tensors}
     freq_factors = None
     for t in file.tensors:
@@ -155,6 +174,27 @@ def gguf_checkpoint_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[Che
             read=_reader(file, t, heads),
             read_slice=_slice_reader(file, t, heads),
         )
+
+
+def block_weights(file: GGUFFile, config: ModelConfig, names: set[str]) -> dict[str, tuple[str, Tensor]]:
+    """transformers' name -> (GGUF type, a copy of its blocks uint8 [rows, row_bytes]) for each 2-D tensor
+    of `names` stored in a type izh's block kernels serve (izh.kernels.cpu.gguf_blocks), Llama q/k rows
+    un-permuted (rows are whole blocks, so that is a reordering of rows)."""
+    permuted = config.architecture in _PERMUTED_QK_ARCHITECTURES
+    found = {}
+    for t in file.tensors:
+        name = hf_name(t.name)
+        if name is None or name not in names or len(t.shape) != 2 or t.ggml_type.name not in GGUF_BLOCK_TYPES:
+            continue
+        raw = file.raw(t)
+        heads = 0
+        if permuted and ".self_attn.q_proj." in name:
+            heads = config.num_attention_heads
+        elif permuted and ".self_attn.k_proj." in name:
+            heads = config.num_key_value_heads
+        blocks = unpermute_qk(raw, heads) if heads else np.array(raw)  # a copy: the file is closed after load
+        found[name] = (t.ggml_type.name, torch.from_numpy(blocks))
+    return found
 
 
 def _reader(file: GGUFFile, info: GGUFTensorInfo, unpermute_heads: int) -> Callable[[], Tensor]:

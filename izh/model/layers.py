@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from izh.kernels import cpu as cpu_ops
-from izh.model.packed import PackedWeight
+from izh.model.packed import GGUFBlocks, PackedWeight
 
 
 class RMSNorm(nn.Module):
@@ -92,8 +92,13 @@ class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.packed: GGUFBlocks | None = None
+        """The table in a GGUF file's own blocks (the dense weight then dropped): a lookup dequantizes only
+        the rows it reads (izh.model.packing)."""
 
     def forward(self, input_ids: Tensor) -> Tensor:
+        if self.packed is not None:
+            return self.packed.rows(input_ids)
         return F.embedding(input_ids, self.weight)
 
 

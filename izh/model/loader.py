@@ -22,6 +22,7 @@ from izh.model.config import ModelConfig
 from izh.model.gguf_file import GGUFFile
 from izh.model.idefics3 import Idefics3ForConditionalGeneration
 from izh.model.llama import LlamaForCausalLM
+from izh.model.packing import pack_gguf_blocks
 from izh.model.parallel import TensorParallel
 from izh.model.registry import build_model, get_model_class
 from izh.model.weights import CheckpointTensor, ProgressFn, load_weights
@@ -70,13 +71,16 @@ def load_model(
     device: torch.device | str = "cpu",
     progress: ProgressFn | None = None,
     tp: TensorParallel | None = None,
+    gguf_blocks: bool = False,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for `path` (HF folder or .gguf file) on `device` and load every weight.
 
     `progress(done, total, tensor_name)` is called after each tensor. Any missing, unexpected or
     mis-shaped tensor raises ModelLoadError naming it (nothing is half-loaded silently). With `tp`
     (more than one rank), the model is `tp.rank`'s shard (izh.model.parallel): built on the meta device,
-    sharded, then given storage for its slices only, and each tensor is read as that slice.
+    sharded, then given storage for its slices only, and each tensor is read as that slice. With
+    `gguf_blocks`, a GGUF's tensors in a type izh's block kernels serve are kept in their own blocks and
+    never dequantized (izh.model.packing.pack_gguf_blocks: float32, one rank).
     """
     _check_exists(path)
     start_s = time.perf_counter()
@@ -105,7 +109,16 @@ def load_model(
         else:
             with torch.device(device):
                 model = build_model(config, dtype=dtype)
-        load_weights(model, tensors, tied_embeddings=config.tie_word_embeddings, progress=progress)
+        served: set[str] = set()
+        if gguf_blocks and is_gguf(path) and (tp is None or tp.world_size == 1):
+            served = pack_gguf_blocks(cast(LlamaForCausalLM, model), file, config)
+        load_weights(
+            model,
+            tensors,
+            tied_embeddings=config.tie_word_embeddings,
+            progress=progress,
+            already_loaded=served,
+        )
     model.eval()
     logger.info(
         "loaded %s (%s, %d layers) as %s on %s in %.2f s",

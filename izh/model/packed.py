@@ -17,6 +17,10 @@ Two kernel families, chosen at load time:
 - PyTorch's (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) otherwise: int4 in the same groups
   (w = (q - 8) * scale + zero, scales and zeros [in / group_size, out, 2]) and int8 per output row.
 
+A GGUF file's own blocks (`GGUFBlocks`, izh.kernels.cpu.gguf_blocks) are a third form: the weight stays
+in the file's bytes (Q4_K, Q6_K, Q5_0, ...) and float32 activations, int8 per block inside the kernel,
+meet it at any row count.
+
 This module knows tensors only; the pass that packs a whole model's linears is `izh.model.packing`."""
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from torch import Tensor
 
 from izh.kernels import cpu as cpu_ops
+from izh.kernels.cpu.gguf_blocks import gguf_matmul, gguf_rows
 
 RECORDS_ANY_ROWS = 1 << 62
 """`max_rows` of float32 records: they take every step, prefills included (the dense weight is dropped)."""
@@ -114,7 +119,56 @@ class Q8Records(_Records):
         return cpu_ops.q8_matmul(x, self.records, self.out_features, self.in_features, out)
 
 
-PackedWeight = Int4Weight | Int8Weight | Q4Records | Q8Records
+@dataclass(frozen=True, slots=True)
+class GGUFPart:
+    """Rows of a weight kept in a GGUF file's own blocks: uint8 [rows, row_bytes] of `ggml_type`."""
+
+    ggml_type: str
+    raw: Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.raw.shape[0]
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFBlocks:
+    """A [out, in] weight in the file's own blocks (izh.kernels.cpu.gguf_blocks), stacked by rows from one
+    part per checkpoint tensor (a fused qkv_proj may mix Q4_K, Q6_K and Q5_0 rows). float32 activations,
+    every step: the kernels quantize each row of x to int8 per block and take any number of rows."""
+
+    parts: tuple[GGUFPart, ...]
+    out_features: int
+    in_features: int
+
+    max_rows: ClassVar[int] = RECORDS_ANY_ROWS
+    kind: ClassVar[int] = 0
+    """Not a record format the fused decode stack reads: its layers run as modules."""
+
+    def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """x [M, in] -> float32 [M, out], new or written into out[:M] and returned."""
+        m = x.shape[0]
+        y = torch.empty(m, self.out_features, dtype=torch.float32) if out is None else out[:m]
+        start = 0
+        for part in self.parts:
+            gguf_matmul(
+                x, part.ggml_type, part.raw, part.rows, self.in_features, out=y[:, start : start + part.rows]
+            )
+            start += part.rows
+        return y
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """Rows `ids` of the weight dequantized (float32 [*ids.shape, in]): an embedding lookup that
+        decodes only the rows it reads. One part only."""
+        (part,) = self.parts
+        return gguf_rows(part.ggml_type, part.raw, ids, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.raw.nbytes for part in self.parts)
+
+
+PackedWeight = Int4Weight | Int8Weight | Q4Records | Q8Records | GGUFBlocks
 
 
 def int4_supported(weight: Tensor, group_size: int = INT4_GROUP_SIZE) -> bool:

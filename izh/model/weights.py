@@ -6,7 +6,7 @@ byte is read, so a bad checkpoint fails fast and never half-loads.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -181,13 +181,17 @@ def load_weights(
     *,
     tied_embeddings: bool,
     progress: ProgressFn | None = None,
+    already_loaded: Collection[str] = (),
 ) -> None:
     """Fill every parameter of `model` from `tensors`; raises ModelLoadError naming the first bad tensor.
 
     Tensors are read one at a time and converted into the parameter's dtype/device, so peak memory is
-    the model plus one checkpoint tensor.
+    the model plus one checkpoint tensor. Names in `already_loaded` (weights the model holds in another
+    form already, e.g. a GGUF tensor's own blocks) are neither expected nor read.
     """
-    plan = _plan(checkpoint_targets(model), list(tensors), tied_embeddings)
+    targets = {name: t for name, t in checkpoint_targets(model).items() if name not in already_loaded}
+    kept = [t for t in tensors if t.name not in already_loaded]
+    plan = _plan(targets, kept, tied_embeddings)
     total = len(plan)
     with torch.no_grad():
         for done, (t, target) in enumerate(plan, start=1):

@@ -17,7 +17,12 @@ The C library is built per instruction-set variant (generic, avx2, avx512, amx; 
 aarch64), the best one this CPU runs chosen at start unless `engine.cpu_kernels` names one (or `off`),
 and compiled with gcc on first use into `<model.cache_dir>/kernels`.
 
+Every variant also multiplies float32 activations by GGUF weights in the file's own blocks (Q4_0 ... Q8_0,
+Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) with exact integer dot products, bit-identical to their reference in
+every variant, and gathers embedding rows from them (`gguf_blocks`: `gguf_matmul`, `gguf_rows`).
+
 Modules: `reference` (the torch references), `records` (the record format and the matmul references),
+`gguf_blocks` (the GGUF block kernels, their decoder and references),
 `variants` (the variants and which one a CPU runs), `compiler` (the compiler command, `build` and the cache),
 `library` (loading, the variant in force, `configure` / `use_variant`), `ops` (the entry points).
 """

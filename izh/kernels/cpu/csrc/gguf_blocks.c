@@ -1,0 +1,572 @@
+/* Matmuls over GGUF weight blocks as the file stores them, float32 activations, every variant.
+ *
+ * The weight [N, K] is N rows of the file's blocks (ggml's block structs, byte for byte), any row stride:
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (32 inputs per block) and Q4_K, Q5_K, Q6_K, IQ4_XS (256 per
+ * super-block). Nothing is re-quantized: each block is decoded, inside the kernel, into
+ *   codes c[i] (int8), an integer scale s[j] per 16 inputs, an integer min m[j] per 16 inputs (K-quants),
+ *   and its float scales: dw (the block's fp16 d) and mw (Q4_1 / Q5_1: the fp16 m; Q4_K / Q5_K: dmin),
+ * such that the file's weight is w[i] = dw * s[i / 16] * c[i] (+ mw, or - mw * m[i / 16]) exactly as
+ * ggml's dequantization defines it (Q4_0: c = q - 8; Q5_0: q - 16; Q6_K: q - 32; IQ4: the non-linear
+ * table's value; the 6-bit sub-block scales and mins of Q4_K / Q5_K, the int8 ones of Q6_K, IQ4_XS's
+ * ls - 32).
+ *
+ * Each row of x is quantized to int8 per group of G inputs, G the block's size (32, or 256 as llama.cpp's
+ * Q8_K for the K-quants): dx = max |x| / 127, q = round-half-even(x * (1 / dx)) clamped to +-127 (0 where
+ * dx = 0), with sums of q per 16 inputs and ex = dx * (sum of q over the group). Then per block, in order:
+ *
+ *   isum = sum over j of s[j] * (c . q over the 16 inputs of j)        (exact int32)
+ *   msum = sum over j of m[j] * (sum of q over the 16 inputs of j)     (exact int32, K-quants)
+ *   acc = acc + (float)isum * (dw * dx)
+ *   Q4_1 / Q5_1: acc = acc + mw * ex;  Q4_K / Q5_K: acc = acc - (float)msum * (mw * dx)
+ *
+ * every float operation rounded on its own (-ffp-contract=off). The integer part is exact whatever the
+ * instruction set, and the float part is one fixed sequence per output element, so every variant (and
+ * `gguf_matmul_ref` in izh/kernels/cpu/gguf_blocks.py) gives bit-identical results, for any number of rows
+ * and any thread split: a row's result never depends on the rest of the batch.
+ *
+ * Dot products: AVX2 vpmaddubsw on (|c|, q with c's sign) then vpmaddwd (|c| <= 128, |q| <= 127: a pair
+ * sum stays below 2^15); AVX-512 VNNI vpdpbusd on the same operands, 64 inputs per instruction for the
+ * 256-input blocks; plain C elsewhere (generic, and aarch64, where gcc vectorises it with NEON). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* ggml's type ids (ggml.h) */
+enum { GQ_Q4_0 = 2, GQ_Q4_1 = 3, GQ_Q5_0 = 6, GQ_Q5_1 = 7, GQ_Q8_0 = 8, GQ_Q4_K = 12, GQ_Q5_K = 13,
+       GQ_Q6_K = 14, GQ_IQ4_NL = 20, GQ_IQ4_XS = 23 };
+enum { GQ_MIN_NONE, GQ_MIN_FLOAT, GQ_MIN_INT };
+#define GQ_MC 64 /* activation rows per pass over the weight */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GQ_ZMM 1
+#else
+#define GQ_ZMM 0
+#endif
+
+static const int8_t gq_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* An fp16 value as float, exactly (subnormals included). */
+INLINE float gq_f16(const uint8_t *p) {
+#if defined(__F16C__)
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return _cvtsh_ss(v); /* exact, as below */
+#endif
+    const uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t u;
+    if (exp == 0x1F)
+        u = sign | 0x7F800000u | (man << 13);
+    else if (exp != 0)
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    else if (man == 0)
+        u = sign;
+    else {
+        float f = (float)man * (1.0f / 16777216.0f); /* man * 2^-24: exact */
+        memcpy(&u, &f, 4);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* A decoded block: `n` codes, n / 16 integer scales (and mins), the float scales. */
+typedef struct {
+    int8_t c[256] __attribute__((aligned(64)));
+    int32_t s[16];
+    int32_t m[16];
+    float dw, mw;
+} gq_block;
+
+/* Block size (inputs), bytes per block, and the kind of min, per type; 0 inputs for a type not served. */
+static inline int gq_info(int type, int *bytes, int *min_kind) {
+    int bs = 0, nb = 0, mk = GQ_MIN_NONE;
+    switch (type) {
+    case GQ_Q4_0: bs = 32, nb = 18; break;
+    case GQ_Q4_1: bs = 32, nb = 20, mk = GQ_MIN_FLOAT; break;
+    case GQ_Q5_0: bs = 32, nb = 22; break;
+    case GQ_Q5_1: bs = 32, nb = 24, mk = GQ_MIN_FLOAT; break;
+    case GQ_Q8_0: bs = 32, nb = 34; break;
+    case GQ_IQ4_NL: bs = 32, nb = 18; break;
+    case GQ_Q4_K: bs = 256, nb = 144, mk = GQ_MIN_INT; break;
+    case GQ_Q5_K: bs = 256, nb = 176, mk = GQ_MIN_INT; break;
+    case GQ_Q6_K: bs = 256, nb = 210; break;
+    case GQ_IQ4_XS: bs = 256, nb = 136; break;
+    default: break;
+    }
+    if (bytes) *bytes = nb;
+    if (min_kind) *min_kind = mk;
+    return bs;
+}
+
+/* ggml's get_scale_min_k4: sub-block j's 6-bit scale and min of a Q4_K / Q5_K block. */
+INLINE void gq_scale_min_k4(int j, const uint8_t *q, int32_t *sc, int32_t *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Decodes one block of `type` at p (see the header); returns nothing, `type` is one gq_info serves. */
+INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
+    int8_t *c = b->c;
+    switch (type) {
+    case GQ_Q4_0:
+    case GQ_Q4_1:
+    case GQ_IQ4_NL: {
+        const int f = type == GQ_Q4_1;
+        const uint8_t *qs = p + (f ? 4 : 2);
+        b->dw = gq_f16(p);
+        b->mw = f ? gq_f16(p + 2) : 0.0f;
+        for (int j = 0; j < 16; j++) {
+            const int lo = qs[j] & 15, hi = qs[j] >> 4;
+            if (type == GQ_IQ4_NL) {
+                c[j] = gq_iq4nl[lo];
+                c[j + 16] = gq_iq4nl[hi];
+            } else {
+                c[j] = (int8_t)(f ? lo : lo - 8);
+                c[j + 16] = (int8_t)(f ? hi : hi - 8);
+            }
+        }
+        b->s[0] = b->s[1] = 1;
+        break;
+    }
+    case GQ_Q5_0:
+    case GQ_Q5_1: {
+        const int f = type == GQ_Q5_1;
+        const uint8_t *qh = p + (f ? 4 : 2), *qs = qh + 4;
+        const uint32_t h = (uint32_t)qh[0] | ((uint32_t)qh[1] << 8) | ((uint32_t)qh[2] << 16) | ((uint32_t)qh[3] << 24);
+        b->dw = gq_f16(p);
+        b->mw = f ? gq_f16(p + 2) : 0.0f;
+        const int off = f ? 0 : 16;
+#if defined(__AVX2__)
+        {   /* byte j: bit j of h (llama.cpp's bytes_from_bits_32), | the nibble j (low, then high) */
+            const __m256i spread = _mm256_shuffle_epi8(
+                _mm256_set1_epi32((int32_t)h),
+                _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+            const __m256i bit = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                                  _mm256_set1_epi64x(-1));
+            const __m128i lo = _mm_loadu_si128((const __m128i *)qs);
+            const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), _mm256_set1_epi8(15));
+            const __m256i v = _mm256_or_si256(nib, _mm256_and_si256(bit, _mm256_set1_epi8(16)));
+            _mm256_store_si256((__m256i *)c, _mm256_sub_epi8(v, _mm256_set1_epi8((char)off)));
+            b->s[0] = b->s[1] = 1;
+            break;
+        }
+#endif
+        for (int j = 0; j < 16; j++) {
+            const int h0 = (int)((h >> j) << 4) & 0x10, h1 = (int)(h >> (j + 12)) & 0x10;
+            c[j] = (int8_t)(((qs[j] & 15) | h0) - off);
+            c[j + 16] = (int8_t)(((qs[j] >> 4) | h1) - off);
+        }
+        b->s[0] = b->s[1] = 1;
+        break;
+    }
+    case GQ_Q8_0:
+        b->dw = gq_f16(p);
+        b->mw = 0.0f;
+        memcpy(c, p + 2, 32);
+        b->s[0] = b->s[1] = 1;
+        break;
+    case GQ_Q4_K:
+    case GQ_Q5_K: {
+        const int five = type == GQ_Q5_K;
+        const uint8_t *scales = p + 4, *qh = p + 16, *ql = p + (five ? 48 : 16);
+        b->dw = gq_f16(p);
+        b->mw = gq_f16(p + 2);
+        for (int g = 0; g < 4; g++) { /* 64 inputs: sub-blocks 2g (low nibbles) and 2g + 1 (high) */
+            const uint8_t *q = ql + 32 * g;
+            for (int l = 0; l < 32; l++) {
+                int lo = q[l] & 15, hi = q[l] >> 4;
+                if (five) {
+                    lo |= ((qh[l] >> (2 * g)) & 1) << 4;
+                    hi |= ((qh[l] >> (2 * g + 1)) & 1) << 4;
+                }
+                c[64 * g + l] = (int8_t)lo;
+                c[64 * g + 32 + l] = (int8_t)hi;
+            }
+        }
+        for (int j = 0; j < 8; j++) {
+            int32_t sc, mn;
+            gq_scale_min_k4(j, scales, &sc, &mn);
+            b->s[2 * j] = b->s[2 * j + 1] = sc;
+            b->m[2 * j] = b->m[2 * j + 1] = mn;
+        }
+        break;
+    }
+    case GQ_Q6_K: {
+        const uint8_t *ql = p, *qh = p + 128;
+        const int8_t *sc = (const int8_t *)(p + 192);
+        b->dw = gq_f16(p + 208);
+        b->mw = 0.0f;
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *l8 = ql + 64 * half, *h8 = qh + 32 * half;
+            int8_t *y = c + 128 * half;
+            for (int l = 0; l < 32; l++) {
+                y[l] = (int8_t)(((l8[l] & 15) | (((h8[l] >> 0) & 3) << 4)) - 32);
+                y[l + 32] = (int8_t)(((l8[l + 32] & 15) | (((h8[l] >> 2) & 3) << 4)) - 32);
+                y[l + 64] = (int8_t)(((l8[l] >> 4) | (((h8[l] >> 4) & 3) << 4)) - 32);
+                y[l + 96] = (int8_t)(((l8[l + 32] >> 4) | (((h8[l] >> 6) & 3) << 4)) - 32);
+            }
+        }
+        for (int j = 0; j < 16; j++) b->s[j] = sc[j];
+        break;
+    }
+    case GQ_IQ4_XS: {
+        const uint32_t sh = (uint32_t)p[2] | ((uint32_t)p[3] << 8);
+        const uint8_t *sl = p + 4, *qs = p + 8;
+        b->dw = gq_f16(p);
+        b->mw = 0.0f;
+        for (int ib = 0; ib < 8; ib++) {
+            const int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
+            b->s[2 * ib] = b->s[2 * ib + 1] = ls - 32;
+            for (int j = 0; j < 16; j++) {
+                c[32 * ib + j] = gq_iq4nl[qs[16 * ib + j] & 15];
+                c[32 * ib + j + 16] = gq_iq4nl[qs[16 * ib + j] >> 4];
+            }
+        }
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+/* Quantizes rows [m0, m1) of x (row stride xs) to q int8 [., K] (row stride K), dx and ex [., K / G], and
+ * the sums of q per 16 inputs qs16 [., K / 16] (see the header). */
+static void gq_quantize_rows(const float *x, int64_t xs, int64_t m0, int64_t m1, int64_t K, int G, int8_t *q,
+                             float *dx, float *ex, int32_t *qs16) {
+    const int64_t groups = K / G;
+    for (int64_t m = m0; m < m1; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + m * xs + g * G;
+            float amax = 0.0f;
+            for (int k = 0; k < G; k++) {
+                const float a = fabsf(xg[k]);
+                amax = a > amax ? a : amax;
+            }
+            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            int8_t *qg = q + m * K + g * G;
+            int32_t *s16 = qs16 + m * (K / 16) + g * (G / 16);
+            int32_t sum = 0;
+            for (int k = 0; k < G; k++) {
+                float r = rintf(xg[k] * id);
+                r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+                qg[k] = (int8_t)r;
+            }
+            for (int j = 0; j < G / 16; j++) {
+                int32_t s = 0;
+                for (int k = 0; k < 16; k++) s += qg[16 * j + k];
+                s16[j] = s;
+                sum += s;
+            }
+            dx[m * groups + g] = d;
+            ex[m * groups + g] = d * (float)sum;
+        }
+}
+
+/* ---- integer dot products: sum over j of s[j] * (c . q over inputs 16 j .. 16 j + 15) ---- */
+
+INLINE int32_t gq_dot_c(const int8_t *c, const int8_t *q, const int32_t *s, const int bs) {
+    int32_t total = 0;
+    for (int j = 0; j < bs / 16; j++) {
+        int32_t d = 0;
+        for (int k = 0; k < 16; k++) d += (int32_t)c[16 * j + k] * q[16 * j + k];
+        total += s[j] * d;
+    }
+    return total;
+}
+
+#if defined(__AVX2__)
+INLINE int32_t gq_hsum8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* 8 int32 lanes of c . q for 32 inputs, lanes 0-3 inputs 0-15, lanes 4-7 inputs 16-31. */
+INLINE __m256i gq_dot32(__m256i abs_c, __m256i c, __m256i q) {
+    const __m256i sq = _mm256_sign_epi8(q, c);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), abs_c, sq);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(abs_c, sq), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+/* ---- the kernel ---- */
+
+/* Output rows [n0, n1) for activation rows [m0, m1): out[m, n] for every m, one weight row at a time. */
+INLINE void gq_rows(const int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t m0,
+                    int64_t m1, int64_t K, const int8_t *xq, const float *dx, const float *ex, const int32_t *qs16,
+                    float *out, int64_t os) {
+    int bytes, mk;
+    const int bs = gq_info(type, &bytes, &mk);
+    const int64_t blocks = K / bs;
+    gq_block blk;
+    float acc[GQ_MC];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        for (int64_t m = m0; m < m1; m++) acc[m - m0] = 0.0f;
+        for (int64_t b = 0; b < blocks; b++) {
+            gq_decode(type, row + b * bytes, &blk);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+            __m512i ac4[4], c4[4], s4[4];
+            if (bs == 256)
+                for (int r = 0; r < 4; r++) {
+                    c4[r] = _mm512_load_si512((const void *)(blk.c + 64 * r));
+                    ac4[r] = _mm512_abs_epi8(c4[r]);
+                    s4[r] = _mm512_set_epi32(blk.s[4 * r + 3], blk.s[4 * r + 3], blk.s[4 * r + 3], blk.s[4 * r + 3],
+                                             blk.s[4 * r + 2], blk.s[4 * r + 2], blk.s[4 * r + 2], blk.s[4 * r + 2],
+                                             blk.s[4 * r + 1], blk.s[4 * r + 1], blk.s[4 * r + 1], blk.s[4 * r + 1],
+                                             blk.s[4 * r], blk.s[4 * r], blk.s[4 * r], blk.s[4 * r]);
+                }
+#endif
+#if defined(__AVX2__)
+            __m256i ac[8], cc[8], sv[8];
+            const int nr = GQ_ZMM && bs == 256 ? 0 : bs / 32; /* 0: the AVX-512 code takes this block */
+            for (int r = 0; r < nr; r++) {
+                cc[r] = _mm256_load_si256((const __m256i *)(blk.c + 32 * r));
+                ac[r] = _mm256_abs_epi8(cc[r]);
+                sv[r] = _mm256_setr_epi32(blk.s[2 * r], blk.s[2 * r], blk.s[2 * r], blk.s[2 * r], blk.s[2 * r + 1],
+                                          blk.s[2 * r + 1], blk.s[2 * r + 1], blk.s[2 * r + 1]);
+            }
+#endif
+            for (int64_t m = m0; m < m1; m++) {
+                const int8_t *q = xq + m * K + b * bs;
+                int32_t isum;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+                if (bs == 256) {
+                    __m512i t = _mm512_setzero_si512();
+                    for (int r = 0; r < 4; r++) {
+                        const __m512i xv = _mm512_loadu_si512((const void *)(q + 64 * r));
+                        const __mmask64 neg = _mm512_movepi8_mask(c4[r]);
+                        const __m512i sq = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+                        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ac4[r], sq);
+                        t = _mm512_add_epi32(t, _mm512_mullo_epi32(d, s4[r]));
+                    }
+                    isum = _mm512_reduce_add_epi32(t);
+                } else
+#endif
+                {
+#if defined(__AVX2__)
+                    __m256i t = _mm256_setzero_si256();
+                    for (int r = 0; r < nr; r++) {
+                        const __m256i d = gq_dot32(ac[r], cc[r], _mm256_loadu_si256((const __m256i *)(q + 32 * r)));
+                        t = _mm256_add_epi32(t, bs == 32 ? d : _mm256_mullo_epi32(d, sv[r]));
+                    }
+                    isum = gq_hsum8(t);
+#else
+                    isum = gq_dot_c(blk.c, q, blk.s, bs);
+#endif
+                }
+                const int64_t g = m * blocks + b;
+                float a = acc[m - m0] + (float)isum * (blk.dw * dx[g]);
+                if (mk == GQ_MIN_FLOAT) a = a + blk.mw * ex[g];
+                if (mk == GQ_MIN_INT) {
+                    const int32_t *s16 = qs16 + m * (K / 16) + b * (bs / 16);
+                    int32_t msum = 0;
+                    for (int j = 0; j < bs / 16; j++) msum += blk.m[j] * s16[j];
+                    a = a - (float)msum * (blk.mw * dx[g]);
+                }
+                acc[m - m0] = a;
+            }
+        }
+        for (int64_t m = m0; m < m1; m++) out[m * os + n] = acc[m - m0];
+    }
+}
+
+#if defined(__AVX2__)
+/* The 8 lanes' sums of 8 vectors, as one vector (lane i: the sum of v[i]'s lanes). */
+INLINE __m256i gq_reduce8(const __m256i *v) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* Output rows [n0, n0 + 8) for activation rows [m0, m1): gq_rows' arithmetic, 8 outputs in the lanes of
+ * one vector, so that the epilogue (the same operations per output, in the same order) runs once for all
+ * 8 and no per-block horizontal sum stands in the way. Sub-block scales are applied in 16-bit lanes
+ * (vpmaddwd of the pair sums by the scale: |pair| <= 32512, |scale| <= 128). */
+INLINE void gq_rows8(const int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t m0, int64_t m1,
+                     int64_t K, const int8_t *xq, const float *dx, const float *ex, const int32_t *qs16, float *out,
+                     int64_t os) {
+    int bytes, mk;
+    const int bs = gq_info(type, &bytes, &mk);
+    const int nr = bs / 32;
+    const int64_t blocks = K / bs;
+    gq_block blk[8];
+    __m256i sv[8][8];
+    __m256 acc[GQ_MC];
+    const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones; /* the VNNI build has no use for it */
+    for (int64_t m = m0; m < m1; m++) acc[m - m0] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        float dw[8], mw[8];
+        for (int i = 0; i < 8; i++) {
+            gq_decode(type, w + (n0 + i) * row_bytes + b * bytes, &blk[i]);
+            dw[i] = blk[i].dw;
+            mw[i] = blk[i].mw;
+            if (bs == 256)
+                for (int r = 0; r < nr; r++)
+                    sv[i][r] = _mm256_setr_m128i(_mm_set1_epi16((int16_t)blk[i].s[2 * r]),
+                                                 _mm_set1_epi16((int16_t)blk[i].s[2 * r + 1]));
+        }
+        const __m256 dwv = _mm256_loadu_ps(dw), mwv = _mm256_loadu_ps(mw);
+        for (int64_t m = m0; m < m1; m++) {
+            const int8_t *q = xq + m * K + b * bs;
+            __m256i t[8];
+            for (int i = 0; i < 8; i++) {
+                __m256i a = _mm256_setzero_si256();
+                for (int r = 0; r < nr; r++) {
+                    const __m256i c = _mm256_load_si256((const __m256i *)(blk[i].c + 32 * r));
+                    const __m256i sq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + 32 * r)), c);
+                    if (bs == 256) {
+                        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), sq), sv[i][r]));
+                    } else {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                        a = _mm256_dpbusd_epi32(a, _mm256_abs_epi8(c), sq);
+#else
+                        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), sq), ones));
+#endif
+                    }
+                }
+                t[i] = a;
+            }
+            const int64_t g = m * blocks + b;
+            const __m256 vdx = _mm256_set1_ps(dx[g]);
+            __m256 a = _mm256_add_ps(acc[m - m0], _mm256_mul_ps(_mm256_cvtepi32_ps(gq_reduce8(t)), _mm256_mul_ps(dwv, vdx)));
+            if (mk == GQ_MIN_FLOAT) a = _mm256_add_ps(a, _mm256_mul_ps(mwv, _mm256_set1_ps(ex[g])));
+            if (mk == GQ_MIN_INT) {
+                const int32_t *s16 = qs16 + m * (K / 16) + b * (bs / 16);
+                int32_t ms[8];
+                for (int i = 0; i < 8; i++) {
+                    int32_t msum = 0;
+                    for (int j = 0; j < bs / 16; j++) msum += blk[i].m[j] * s16[j];
+                    ms[i] = msum;
+                }
+                const __m256 vm = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)ms));
+                a = _mm256_sub_ps(a, _mm256_mul_ps(vm, _mm256_mul_ps(mwv, vdx)));
+            }
+            acc[m - m0] = a;
+        }
+    }
+    for (int64_t m = m0; m < m1; m++) {
+        float v[8];
+        _mm256_storeu_ps(v, acc[m - m0]);
+        for (int i = 0; i < 8; i++) out[m * os + n0 + i] = v[i];
+    }
+}
+
+#define GQ_ROWS(T)                                                                                            \
+    do {                                                                                                      \
+        int64_t n = n0;                                                                                       \
+        for (; n + 8 <= n1; n += 8) gq_rows8(T, w, row_bytes, n, m0, m1, K, xq, dx, ex, qs16, out, os);       \
+        if (n < n1) gq_rows(T, w, row_bytes, n, n1, m0, m1, K, xq, dx, ex, qs16, out, os);                  \
+    } while (0)
+#else
+#define GQ_ROWS(T) gq_rows(T, w, row_bytes, n0, n1, m0, m1, K, xq, dx, ex, qs16, out, os)
+#endif
+
+#define GQ_CASE(T)                                                                                            \
+    case T: GQ_ROWS(T); break;
+
+static void gq_dispatch(int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t m0,
+                        int64_t m1, int64_t K, const int8_t *xq, const float *dx, const float *ex,
+                        const int32_t *qs16, float *out, int64_t os) {
+    switch (type) {
+        GQ_CASE(GQ_Q4_0)
+        GQ_CASE(GQ_Q4_1)
+        GQ_CASE(GQ_Q5_0)
+        GQ_CASE(GQ_Q5_1)
+        GQ_CASE(GQ_Q8_0)
+        GQ_CASE(GQ_IQ4_NL)
+        GQ_CASE(GQ_Q4_K)
+        GQ_CASE(GQ_Q5_K)
+        GQ_CASE(GQ_Q6_K)
+        GQ_CASE(GQ_IQ4_XS)
+    default: break;
+    }
+}
+
+/* The block size (inputs) of a ggml type this file serves, else 0. */
+int izh_gguf_block_size(int type) { return gq_info(type, NULL, NULL); }
+
+/* out [M, N] (row stride os) = x [M, K] (fp32, row stride xs) @ W^T, W = N rows of `type` blocks, row n at
+ * w + n * row_bytes. Returns 0; -1 for a type not served, a bad shape (M, N < 1, K not a multiple of the
+ * block, row_bytes below a row's bytes); -4 out of memory. */
+int izh_gguf_matmul_f32(int type, const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int64_t M,
+                        int64_t N, int64_t K, float *out, int64_t os, int nt) {
+    int bytes, mk;
+    const int bs = gq_info(type, &bytes, &mk);
+    if (bs == 0 || M < 1 || N < 1 || K < bs || K % bs || row_bytes < K / bs * bytes || xs < K || os < N)
+        return -1;
+    const size_t groups = (size_t)M * (size_t)(K / bs);
+    char *buf = (char *)malloc((size_t)M * (size_t)K + groups * 8 + (size_t)M * (size_t)(K / 16) * 4 + 64);
+    if (!buf) return -4;
+    int8_t *xq = (int8_t *)buf;
+    float *dx = (float *)(buf + (((size_t)M * (size_t)K + 15) & ~(size_t)15));
+    float *ex = dx + groups;
+    int32_t *qs16 = (int32_t *)(ex + groups);
+    const int64_t work = N * K;
+    if (nt < 1) nt = 1;
+    if (work * M < PAR_MIN_ELEMS) nt = 1;
+#pragma omp parallel num_threads(nt)
+    {
+        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        gq_quantize_rows(x, xs, M * me / team, M * (me + 1) / team, K, bs, xq, dx, ex, qs16);
+#pragma omp barrier
+        const int64_t n0 = N * me / team, n1 = N * (me + 1) / team;
+        for (int64_t m0 = 0; m0 < M; m0 += GQ_MC) {
+            const int64_t m1 = m0 + GQ_MC < M ? m0 + GQ_MC : M;
+            gq_dispatch(type, w, row_bytes, n0, n1, m0, m1, K, xq, dx, ex, qs16, out, os);
+        }
+    }
+    free(buf);
+    return 0;
+}
+
+/* Rows ids[0..n) of W (as above), dequantized to fp32 out [n, K] (row stride os) the way ggml does it:
+ * w = dw * s * c (+ mw, - mw * m) per block, in float32: (dw * s) * c for the 32-blocks' s = 1 reads as dw * c.
+ * (The embedding gather; transformers' own dequantization, gguf-py's, is the reference of `gguf_rows`.)
+ * Returns 0, or -1 for a type not served or an id outside [0, rows). */
+int izh_gguf_dequant_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t rows, const int64_t *ids,
+                          int64_t n, int64_t K, float *out, int64_t os) {
+    int bytes, mk;
+    const int bs = gq_info(type, &bytes, &mk);
+    if (bs == 0 || K % bs) return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= rows) return -1;
+    gq_block blk;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = w + ids[i] * row_bytes;
+        float *y = out + i * os;
+        for (int64_t b = 0; b < K / bs; b++) {
+            gq_decode(type, row + b * bytes, &blk);
+            for (int k = 0; k < bs; k++) {
+                const int j = k / 16;
+                float v;
+                if (mk == GQ_MIN_INT)
+                    v = blk.dw * (float)blk.s[j] * (float)blk.c[k] - blk.mw * (float)blk.m[j];
+                else if (mk == GQ_MIN_FLOAT)
+                    v = blk.dw * (float)blk.c[k] + blk.mw;
+                else
+                    v = bs == 32 ? blk.dw * (float)blk.c[k] : blk.dw * (float)blk.s[j] * (float)blk.c[k];
+                y[b * bs + k] = v;
+            }
+        }
+    }
+    return 0;
+}
