@@ -22,7 +22,11 @@ _HF_ARCH_TO_TYPE = {
     "Qwen3ForCausalLM": "qwen3",
     "BertModel": "bert",
     "Idefics3ForConditionalGeneration": "idefics3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
+
+GEMMA_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +97,18 @@ class ModelConfig:
     """The `<image>` placeholder whose embeddings the image features replace (a VLM only)."""
     scale_factor: int = 1
     """The connector's pixel-shuffle factor (Idefics3)."""
+    sliding_window: int | None = None
+    """A sliding-window layer's query at position p sees the keys at positions (p - sliding_window, p]."""
+    sliding_layers: tuple[bool, ...] = ()
+    """Per layer, whether it attends through `sliding_window` (empty: every layer is global)."""
+    rope_local_theta: float = 0.0
+    """RoPE base of the sliding-window layers, unscaled (Gemma 3); 0: they use the global rotary."""
+    query_pre_attn_scalar: float = 0.0
+    """Attention scale query_pre_attn_scalar**-0.5 when set (Gemma), else head_dim**-0.5."""
+    attn_logit_softcapping: float = 0.0
+    """Attention scores become cap * tanh(score / cap) when set (Gemma 2)."""
+    final_logit_softcapping: float = 0.0
+    """Logits become cap * tanh(logit / cap) when set (Gemma 2)."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -117,6 +133,8 @@ class ModelConfig:
             return cls._from_hf_bert_config(d)
         if architecture == "idefics3":
             return cls._from_hf_idefics3_config(d)
+        if architecture in GEMMA_ARCHITECTURES:
+            return cls._from_hf_gemma_config(d, architecture)
         _reject_unsupported_hf_features(d)
         try:
             hidden_size = int(d["hidden_size"])
@@ -141,6 +159,51 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks the required field {e.args[0]!r}") from e
+
+    @classmethod
+    def _from_hf_gemma_config(cls, d: Mapping[str, Any], architecture: str) -> ModelConfig:
+        """Gemma 2 / Gemma 3 text: GeGLU, sandwich norms, query pre-scaling, local/global layers."""
+        act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ModelLoadError(
+                f"{architecture} hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)"
+            )
+        base = cls.from_hf_config({**d, "architectures": ["LlamaForCausalLM"], "hidden_act": "silu"})
+        num_layers = base.num_hidden_layers
+        layer_types = d.get("layer_types")
+        if layer_types is None:
+            pattern = int(d.get("sliding_window_pattern") or (2 if architecture == "gemma2" else 6))
+            sliding = tuple(bool((i + 1) % pattern) for i in range(num_layers))
+        else:
+            if len(layer_types) != num_layers:
+                raise ModelLoadError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+            sliding = tuple(t == "sliding_attention" for t in layer_types)
+        theta, scaling = base.rope_theta, base.rope_scaling
+        local_theta = 0.0
+        params = d.get("rope_parameters")
+        if isinstance(params, Mapping) and "full_attention" in params:
+            # transformers 5: one rope_parameters entry per layer type.
+            theta, scaling = _hf_rope({"rope_parameters": params["full_attention"]})
+            local_theta, _ = _hf_rope({"rope_parameters": params.get("sliding_attention") or {}})
+        elif architecture == "gemma3":
+            local_theta = float(d.get("rope_local_base_freq", 10000.0))
+        window = d.get("sliding_window")
+        return replace(
+            base,
+            architecture=architecture,
+            hidden_act="gelu_pytorch_tanh",
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            qk_norm=architecture == "gemma3",
+            sliding_window=int(window) if window and any(sliding) else None,
+            sliding_layers=sliding if window else (),
+            rope_local_theta=local_theta,
+            query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or base.head_dim),
+            attn_logit_softcapping=float(d.get("attn_logit_softcapping") or 0.0),
+            final_logit_softcapping=float(d.get("final_logit_softcapping") or 0.0),
+        )
 
     @classmethod
     def _from_hf_idefics3_config(cls, d: Mapping[str, Any]) -> ModelConfig:
@@ -237,7 +300,7 @@ class ModelConfig:
             vocab_size = tensor_shapes["token_embd.weight"][0]
         if vocab_size is None:
             raise ModelLoadError(f"GGUF file has neither {arch}.vocab_size nor a token_embd.weight tensor")
-        return cls(
+        config = cls(
             architecture=arch,
             vocab_size=int(vocab_size),
             hidden_size=hidden_size,
@@ -254,6 +317,40 @@ class ModelConfig:
             attention_bias="blk.0.attn_q.bias" in names,
             qk_norm="blk.0.attn_q_norm.weight" in names,
         )
+        if arch in GEMMA_ARCHITECTURES:
+            return _gguf_gemma(config, metadata)
+        return config
+
+
+def _gguf_gemma(config: ModelConfig, metadata: Mapping[str, Any]) -> ModelConfig:
+    """Gemma's extras as llama.cpp reads them: the window and its layer pattern (every 2nd layer of
+    Gemma 2 global, every 6th of Gemma 3), Gemma 3's local RoPE base 10000, and the query scale
+    (hidden / heads for the 27B models, head_dim for the others)."""
+    arch = config.architecture
+    n = config.num_hidden_layers
+    gemma2 = arch == "gemma2"
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern") or (2 if gemma2 else 6)
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    if isinstance(pattern, list):  # one flag per layer, true = sliding window
+        if len(pattern) != n:
+            raise ModelLoadError(
+                f"{arch}.attention.sliding_window_pattern has {len(pattern)} flags for {n} layers"
+            )
+        sliding = tuple(bool(p) for p in pattern)
+    else:
+        sliding = tuple(bool((i + 1) % int(pattern)) for i in range(n))
+    is_27b = n == (46 if gemma2 else 62)
+    scalar = config.hidden_size // config.num_attention_heads if is_27b else config.head_dim
+    return replace(
+        config,
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=int(window) if window else None,
+        sliding_layers=sliding if window else (),
+        rope_local_theta=0.0 if gemma2 else 10000.0,
+        query_pre_attn_scalar=float(scalar),
+        attn_logit_softcapping=float(metadata.get(f"{arch}.attn_logit_softcapping") or 0.0),
+        final_logit_softcapping=float(metadata.get(f"{arch}.final_logit_softcapping") or 0.0),
+    )
 
 
 def _hf_architecture(d: Mapping[str, Any]) -> str:

@@ -37,6 +37,14 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms per layer: llama.cpp's ffn_norm is the pre-feedforward norm there.
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 _FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
@@ -52,14 +60,15 @@ def gguf_model_config(file: GGUFFile) -> ModelConfig:
     return ModelConfig.from_gguf_metadata(file.metadata, shapes, rope_freq_factors=freq_factors)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """transformers' checkpoint name for a GGUF tensor name; None if unknown."""
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
+    """transformers' checkpoint name for a GGUF tensor name of `architecture`; None if unknown."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    block_names = _ARCH_BLOCK_NAMES.get(architecture, _BLOCK_NAMES)
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
+    if m is None or m.group(2) not in block_names:
         return None
-    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
 
 
 def dequantize(file: GGUFFile, info: GGUFTensorInfo, *, unpermute_heads: int = 0) -> Tensor:
@@ -127,8 +136,9 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def quantized_tensor_types(file: GGUFFile) -> dict[str, str]:
     """transformers' name -> GGUF type name (e.g. "Q4_1") of every tensor stored quantized."""
     types = {}
+    architecture = str(file.metadata.get("general.architecture", "llama"))
     for t in file.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, architecture)
         if name is not None and t.ggml_type.name not in _FLOAT_TYPES:
             types[name] = t.ggml_type.name
     return types
@@ -141,7 +151,7 @@ def gguf_checkpoint_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[Che
     for t in file.tensors:
         if t.name == ROPE_FREQS_TENSOR:
             continue  # folded into ModelConfig.rope_scaling
-        name = hf_name(t.name)
+        name = hf_name(t.name, config.architecture)
         heads = 0
         if permuted and name is not None:
             if ".self_attn.q_proj." in name:

@@ -18,7 +18,8 @@ from torch import nn
 
 from izh.errors import ModelLoadError
 from izh.model import gguf_loader, parallel
-from izh.model.config import ModelConfig
+from izh.model.config import GEMMA_ARCHITECTURES, ModelConfig
+from izh.model.gemma import gemma_checkpoint_tensors
 from izh.model.gguf_file import GGUFFile
 from izh.model.idefics3 import Idefics3ForConditionalGeneration
 from izh.model.llama import LlamaForCausalLM
@@ -95,6 +96,8 @@ def load_model(
                 tensors = _encoder_tensors(tensors)
             if config.vision is not None:
                 tensors = _vlm_tensors(tensors)
+            if config.architecture in GEMMA_ARCHITECTURES:
+                tensors = list(gemma_checkpoint_tensors(tensors))
         get_model_class(config.architecture)
         if tp is not None and tp.world_size > 1:
             parallel.check_tensor_parallel(config, tp.world_size)

@@ -11,6 +11,7 @@ from izh.errors import ModelLoadError
 from izh.model.attention import AttentionMetadata
 from izh.model.bert import BertModel
 from izh.model.config import ModelConfig
+from izh.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from izh.model.idefics3 import Idefics3ForConditionalGeneration
 from izh.model.llama import LlamaForCausalLM
 from izh.model.qwen2 import Qwen2ForCausalLM
@@ -36,12 +37,16 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM] | type[BertModel]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "BertModel": BertModel,
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     # GGUF `general.architecture`, also ModelConfig.architecture
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "bert": BertModel,
     "idefics3": Idefics3ForConditionalGeneration,
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
 }
 
 
