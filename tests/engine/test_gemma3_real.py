@@ -23,12 +23,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 def test_gemma3_chat_greedy_equals_transformers(gemma3_gguf: str) -> None:
     tokenizer = load_tokenizer(gemma3_gguf)
     prompts = [
-        tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True), add_special_tokens=False)
+        tokenizer.encode(
+            tokenizer.apply_chat_template(chat, add_generation_prompt=True), add_special_tokens=False
+        )
         for chat in GEMMA3_CHATS
     ]
     references = gemma3_hf_references(gemma3_gguf, prompts)
     # float32 and dense weights, as transformers runs the dequantized file.
-    llm = LLM(gemma3_gguf, dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    llm = LLM(
+        gemma3_gguf, dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20, max_model_len=512
+    )
     params = SamplingParams(temperature=0.0, max_tokens=NUM_GENERATED, ignore_eos=True)
     outputs = llm.chat(GEMMA3_CHATS, params)
     for reference, out in zip(references, outputs, strict=True):
