@@ -10,7 +10,7 @@ from izh.errors import ModelLoadError, UnsupportedModel
 
 # RoPE variants the model code implements. "freq_factors" is llama3 scaling as GGUF stores it: a
 # per-frequency divisor tensor (rope_freqs.weight) instead of the four llama3 parameters.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -24,6 +24,7 @@ _HF_ARCH_TO_TYPE = {
     "Idefics3ForConditionalGeneration": "idefics3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "MistralForCausalLM": "mistral",
 }
 
 GEMMA_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
@@ -100,7 +101,8 @@ class ModelConfig:
     sliding_window: int | None = None
     """A sliding-window layer's query at position p sees the keys at positions (p - sliding_window, p]."""
     sliding_layers: tuple[bool, ...] = ()
-    """Per layer, whether it attends through `sliding_window` (empty: every layer is global)."""
+    """Per layer, whether it attends through `sliding_window` (Gemma); Mistral's window, when set,
+    applies to every layer and leaves this empty."""
     rope_local_theta: float = 0.0
     """RoPE base of the sliding-window layers, unscaled (Gemma 3); 0: they use the global rotary."""
     query_pre_attn_scalar: float = 0.0
@@ -135,6 +137,10 @@ class ModelConfig:
             return cls._from_hf_idefics3_config(d)
         if architecture in GEMMA_ARCHITECTURES:
             return cls._from_hf_gemma_config(d, architecture)
+        if architecture == "mistral":
+            base = cls.from_hf_config({**d, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+            window = d.get("sliding_window")
+            return replace(base, architecture="mistral", sliding_window=int(window) if window else None)
         _reject_unsupported_hf_features(d)
         try:
             hidden_size = int(d["hidden_size"])
@@ -409,8 +415,25 @@ def _gguf_rope_scaling(
         return None
     if scaling_type == "linear":
         return {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
+    if scaling_type == "yarn":
+        # llama.cpp's keys (convert_hf_to_gguf writes the factor and the original context length).
+        factor = metadata.get(f"{arch}.rope.scaling.factor")
+        original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+        if factor is None or original is None:
+            raise ModelLoadError(
+                f"GGUF yarn rope scaling needs {arch}.rope.scaling.factor and .original_context_length"
+            )
+        yarn: dict[str, Any] = {
+            "rope_type": "yarn",
+            "factor": float(factor),
+            "original_max_position_embeddings": int(original),
+        }
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if f"{arch}.rope.scaling.{key}" in metadata:
+                yarn[name] = float(metadata[f"{arch}.rope.scaling.{key}"])
+        return yarn
     raise UnsupportedModel(
-        f"GGUF rope scaling type {scaling_type!r} is not supported (supported: none, linear, rope_freqs)"
+        f"GGUF rope scaling type {scaling_type!r} is not supported (supported: none, linear, yarn, rope_freqs)"
     )
 
 
@@ -427,6 +450,7 @@ def _check_rope_scaling(scaling: Mapping[str, Any] | None) -> None:
         "linear": ("factor",),
         "llama3": _LLAMA3_KEYS,
         "freq_factors": ("freq_factors",),
+        "yarn": ("factor", "original_max_position_embeddings"),
     }[rope_type]
     missing = [k for k in required if k not in scaling]
     if missing:

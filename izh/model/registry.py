@@ -14,6 +14,7 @@ from izh.model.config import ModelConfig
 from izh.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from izh.model.idefics3 import Idefics3ForConditionalGeneration
 from izh.model.llama import LlamaForCausalLM
+from izh.model.mistral import MistralForCausalLM
 from izh.model.qwen2 import Qwen2ForCausalLM
 from izh.model.qwen3 import Qwen3ForCausalLM
 
@@ -39,6 +40,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM] | type[BertModel]] = {
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
     # GGUF `general.architecture`, also ModelConfig.architecture
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
@@ -47,6 +49,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM] | type[BertModel]] = {
     "idefics3": Idefics3ForConditionalGeneration,
     "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "mistral": MistralForCausalLM,
 }
 
 
