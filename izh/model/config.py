@@ -10,7 +10,7 @@ from izh.errors import ModelLoadError, UnsupportedModel
 
 # RoPE variants the model code implements. "freq_factors" is llama3 scaling as GGUF stores it: a
 # per-frequency divisor tensor (rope_freqs.weight) instead of the four llama3 parameters.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn", "longrope")
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -25,6 +25,7 @@ _HF_ARCH_TO_TYPE = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "MistralForCausalLM": "mistral",
+    "Phi3ForCausalLM": "phi3",
 }
 
 GEMMA_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
@@ -137,10 +138,10 @@ class ModelConfig:
             return cls._from_hf_idefics3_config(d)
         if architecture in GEMMA_ARCHITECTURES:
             return cls._from_hf_gemma_config(d, architecture)
-        if architecture == "mistral":
+        if architecture in ("mistral", "phi3"):
             base = cls.from_hf_config({**d, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
             window = d.get("sliding_window")
-            return replace(base, architecture="mistral", sliding_window=int(window) if window else None)
+            return replace(base, architecture=architecture, sliding_window=int(window) if window else None)
         _reject_unsupported_hf_features(d)
         try:
             hidden_size = int(d["hidden_size"])
@@ -402,6 +403,16 @@ def _hf_rope(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     scaling.pop("type", None)
     if rope_type == "default":
         return theta, None
+    if rope_type in ("su", "longrope", "yarn"):
+        # Phi-3 keeps the original context at the top level ("su" is LongRoPE's first name); a missing
+        # factor is the context extension, as transformers derives it.
+        rope_type = "longrope" if rope_type == "su" else rope_type
+        if "original_max_position_embeddings" in d:
+            scaling.setdefault("original_max_position_embeddings", d["original_max_position_embeddings"])
+        if scaling.get("factor") is None and "original_max_position_embeddings" in scaling:
+            scaling["factor"] = float(d.get("max_position_embeddings", 2048)) / float(
+                scaling["original_max_position_embeddings"]
+            )
     return theta, {"rope_type": rope_type, **scaling}
 
 
@@ -451,6 +462,7 @@ def _check_rope_scaling(scaling: Mapping[str, Any] | None) -> None:
         "llama3": _LLAMA3_KEYS,
         "freq_factors": ("freq_factors",),
         "yarn": ("factor", "original_max_position_embeddings"),
+        "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
     }[rope_type]
     missing = [k for k in required if k not in scaling]
     if missing:

@@ -135,14 +135,28 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return _llama3_inv_freq(inv_freq, scaling)
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling)
+    if rope_type == "longrope":
+        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
     return inv_freq
+
+
+def _longrope_long_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> Tensor:
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    return 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * theta**exponent)
 
 
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
     """The factor YaRN multiplies cos and sin by (1 for every other RoPE type), as transformers does:
     `attention_factor` when given, else 0.1 * ln(factor) + 1 (with DeepSeek's mscale ratio if set)."""
-    if scaling is None or scaling["rope_type"] != "yarn":
+    if scaling is None or scaling["rope_type"] not in ("yarn", "longrope"):
         return 1.0
+    if scaling["rope_type"] == "longrope":
+        # LongRoPE (Phi-3): sqrt(1 + ln(factor) / ln(original context)).
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor = float(scaling["factor"])
+        original = float(scaling["original_max_position_embeddings"])
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = float(scaling["factor"])
@@ -223,6 +237,12 @@ class RotaryEmbedding(nn.Module):
             inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
             positions = torch.arange(self.max_position, dtype=torch.int64).to(torch.float32)
             freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
+            if self.scaling is not None and self.scaling["rope_type"] == "longrope":
+                # Positions past the original context rotate with the long factors: what transformers
+                # computes for tokens generated past it (their keys cached earlier keep the short ones).
+                original = int(self.scaling["original_max_position_embeddings"])
+                long_inv_freq = _longrope_long_inv_freq(self.head_dim, self.theta, self.scaling)
+                freqs[original:] = positions[original:, None] * long_inv_freq[None, :]
             cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, head_dim]
             factor = rope_attention_factor(self.scaling)
             if factor != 1.0:

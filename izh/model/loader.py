@@ -24,6 +24,7 @@ from izh.model.gguf_file import GGUFFile
 from izh.model.idefics3 import Idefics3ForConditionalGeneration
 from izh.model.llama import LlamaForCausalLM
 from izh.model.parallel import TensorParallel
+from izh.model.phi3 import phi3_checkpoint_tensors
 from izh.model.registry import build_model, get_model_class
 from izh.model.weights import CheckpointTensor, ProgressFn, load_weights
 
@@ -111,6 +112,8 @@ def load_model(
                 tensors = _vlm_tensors(tensors)
             if config.architecture in GEMMA_ARCHITECTURES:
                 tensors = list(gemma_checkpoint_tensors(tensors))
+            if config.architecture == "phi3":
+                tensors = list(phi3_checkpoint_tensors(tensors, config))
         get_model_class(config.architecture)
         if tp is not None and tp.world_size > 1:
             parallel.check_tensor_parallel(config, tp.world_size)

@@ -15,6 +15,7 @@ from izh.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from izh.model.idefics3 import Idefics3ForConditionalGeneration
 from izh.model.llama import LlamaForCausalLM
 from izh.model.mistral import MistralForCausalLM
+from izh.model.phi3 import Phi3ForCausalLM
 from izh.model.qwen2 import Qwen2ForCausalLM
 from izh.model.qwen3 import Qwen3ForCausalLM
 
@@ -41,6 +42,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM] | type[BertModel]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     # GGUF `general.architecture`, also ModelConfig.architecture
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
@@ -50,6 +52,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM] | type[BertModel]] = {
     "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "mistral": MistralForCausalLM,
+    "phi3": Phi3ForCausalLM,
 }
 
 
