@@ -328,7 +328,32 @@ class ModelConfig:
         )
         if arch in GEMMA_ARCHITECTURES:
             return _gguf_gemma(config, metadata)
+        if arch == "phi3":
+            window = metadata.get("phi3.attention.sliding_window")
+            return replace(config, sliding_window=int(window) if window else None)
         return config
+
+
+def with_gguf_longrope(
+    config: ModelConfig, metadata: Mapping[str, Any], factors: Mapping[str, Any]
+) -> ModelConfig:
+    """LongRoPE scaling from a GGUF file: the factor tensors (rope_factors_short/long), the original
+    context and the attention factor llama.cpp's converter writes."""
+    arch = config.architecture
+    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise ModelLoadError(f"GGUF LongRoPE factors without {arch}.rope.scaling.original_context_length")
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "short_factor": tuple(float(f) for f in factors["short_factor"]),
+        "long_factor": tuple(float(f) for f in factors["long_factor"]),
+        "original_max_position_embeddings": int(original),
+        "factor": config.max_position_embeddings / int(original),
+    }
+    attn_factor = metadata.get(f"{arch}.rope.scaling.attn_factor")
+    if attn_factor is not None:
+        scaling["attention_factor"] = float(attn_factor)
+    return replace(config, rope_scaling=scaling)
 
 
 def _gguf_gemma(config: ModelConfig, metadata: Mapping[str, Any]) -> ModelConfig:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from izh.errors import ModelLoadError
-from izh.model.config import ModelConfig
+from izh.model.config import ModelConfig, with_gguf_longrope
 from izh.model.gguf_file import GGUFFile, GGUFTensorInfo
 from izh.model.weights import CheckpointTensor
 
@@ -44,9 +44,13 @@ _GEMMA_BLOCK_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES}
+# Phi-3: fused q/k/v, and ffn_up holding gate and up (split by izh.model.phi3 after renaming).
+_PHI3_BLOCK_NAMES = {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES, "phi3": _PHI3_BLOCK_NAMES}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
+LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+"""LongRoPE's per-frequency factors (Phi-3), folded into ModelConfig.rope_scaling."""
 _FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
@@ -54,10 +58,17 @@ def gguf_model_config(file: GGUFFile) -> ModelConfig:
     """ModelConfig from a GGUF file's metadata and tensor descriptors."""
     shapes = {t.name: t.shape for t in file.tensors}
     freq_factors = None
+    longrope: dict[str, list[float]] = {}
     for t in file.tensors:
         if t.name == ROPE_FREQS_TENSOR:
             freq_factors = dequantize(file, t).reshape(-1).tolist()
-    return ModelConfig.from_gguf_metadata(file.metadata, shapes, rope_freq_factors=freq_factors)
+        elif t.name in LONGROPE_TENSORS:
+            key = "short_factor" if t.name == LONGROPE_TENSORS[0] else "long_factor"
+            longrope[key] = dequantize(file, t).reshape(-1).tolist()
+    config = ModelConfig.from_gguf_metadata(file.metadata, shapes, rope_freq_factors=freq_factors)
+    if len(longrope) == 2:
+        config = with_gguf_longrope(config, file.metadata, longrope)
+    return config
 
 
 def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
@@ -149,7 +160,7 @@ def gguf_checkpoint_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[Che
     un-permuted) only when read. An unknown GGUF tensor keeps its GGUF name (the loader rejects it)."""
     permuted = config.architecture in _PERMUTED_QK_ARCHITECTURES
     for t in file.tensors:
-        if t.name == ROPE_FREQS_TENSOR:
+        if t.name == ROPE_FREQS_TENSOR or t.name in LONGROPE_TENSORS:
             continue  # folded into ModelConfig.rope_scaling
         name = hf_name(t.name, config.architecture)
         heads = 0

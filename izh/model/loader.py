@@ -98,6 +98,8 @@ def load_model(
             _check_architecture(file.metadata.get("general.architecture"))
             config = gguf_loader.gguf_model_config(file)
             tensors: list[CheckpointTensor] = list(gguf_loader.gguf_checkpoint_tensors(file, config))
+            if config.architecture == "phi3":
+                tensors = list(phi3_checkpoint_tensors(tensors, config))
         else:
             hf_config = _read_hf_config(path)
             _check_architecture(hf_architecture(hf_config))

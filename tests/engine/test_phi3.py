@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from izh import LLM, SamplingParams
@@ -16,7 +17,9 @@ from tests.engine.test_gemma import PROMPTS, _hf_greedy, _tokens
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def test_phi3_matches_transformers(tiny_checkpoint_factory: Callable[[str], str], tiny_tokenizer) -> None:
+def test_phi3_matches_transformers(
+    tiny_checkpoint_factory: Callable[[str], str], tiny_gguf_factory: Callable[..., str], tiny_tokenizer
+) -> None:
     from transformers import AutoModelForCausalLM
 
     path = tiny_checkpoint_factory("phi3")
@@ -40,6 +43,12 @@ def test_phi3_matches_transformers(tiny_checkpoint_factory: Callable[[str], str]
     expected = _hf_greedy(path, prompts, GREEDY.max_tokens)
     llm = LLM(path, dtype="float32", kv_cache_memory_bytes=8 << 20)
     assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected
+    from_gguf = LLM(tiny_gguf_factory("phi3", "F32"), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    gguf_scaling = from_gguf.engine_core.runner.model_config.rope_scaling
+    assert gguf_scaling is not None and gguf_scaling["rope_type"] == "longrope"
+    assert list(gguf_scaling["long_factor"]) == pytest.approx(config.rope_scaling["long_factor"])
+    assert gguf_scaling["attention_factor"] == pytest.approx(1.2910, abs=1e-4)  # sqrt(1 + ln 16 / ln 64)
+    assert _tokens(from_gguf.generate(PROMPTS, GREEDY)) == expected
     assert [_tokens(llm.generate([p], GREEDY))[0] for p in PROMPTS] == expected
     chunked = LLM(
         path, dtype="float32", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=5, max_num_seqs=2
