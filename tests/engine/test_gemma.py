@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from izh import LLM, SamplingParams
+from izh.errors import UnsupportedModel
 from izh.model import AttentionMetadata, load_model
+from izh.model.parallel import check_tensor_parallel
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [
@@ -107,6 +109,8 @@ def test_gemma_config_from_hf_and_gguf(kind: str, hf_dir: str, tiny_gguf_factory
         assert config.query_pre_attn_scalar == 16
         assert config.hidden_act == "gelu_pytorch_tanh"
     assert hf.sliding_layers == gguf.sliding_layers
+    with pytest.raises(UnsupportedModel, match="tensor-parallel-size 1"):
+        check_tensor_parallel(hf, 2)
     if kind == "gemma3":
         assert hf.sliding_layers == (True,) * 5 + (False,)
         assert (hf.rope_local_theta, hf.qk_norm, hf.attn_logit_softcapping) == (10000.0, True, 0.0)
