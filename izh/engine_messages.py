@@ -187,6 +187,9 @@ class Dead(msgspec.Struct, tag=True):
     """The core failed (at start or in step()) and exits; every in-flight request fails."""
 
     reason: str
+    error_code: str | None = None
+    """The IzhError's code when one was raised (e.g. "unsupported_model"), so that the frontend raises
+    the same kind of error."""
 
 
 class UtilityResult(msgspec.Struct, tag=True):

@@ -123,6 +123,27 @@ class ModelLoadError(IzhError):
     default_code = "model_load_error"
 
 
+class UnsupportedModel(ModelLoadError):
+    """The model reads fine, but izh does not serve its architecture, tokenizer or one of its features."""
+
+    default_code = "unsupported_model"
+
+
+class ModelDownloadError(ModelLoadError):
+    """Fetching a model failed: the network, the source (status, checksum) or the free disk space."""
+
+    default_code = "model_download_failed"
+
+
+def model_load_error(message: str, code: str | None) -> ModelLoadError:
+    """The ModelLoadError (sub)class whose code is `code`: a load error that crossed the process
+    boundary as text keeps its kind (and so its CLI hint)."""
+    for cls in (UnsupportedModel, ModelDownloadError):
+        if code == cls.default_code:
+            return cls(message)
+    return ModelLoadError(message, code=code)
+
+
 class HTTPStatusError(IzhError):
     """A plain HTTP error raised by the framework (405, ...) that has no class of its own here."""
 

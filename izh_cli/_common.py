@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeVar
 
 import typer
 
-from izh.errors import IzhError, ModelLoadError, ModelNotFound
+from izh.errors import IzhError, ModelDownloadError, ModelLoadError, ModelNotFound, UnsupportedModel
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -88,8 +88,12 @@ def fail(message: str, hint: str | None = None, code: int = EXIT_FAILURE) -> NoR
 def _hint_for(exc: IzhError) -> str | None:
     if isinstance(exc, ModelNotFound):
         return "`izh pull smollm2` fetches the default model; or pass a .gguf file or a Hugging Face folder."
+    if isinstance(exc, UnsupportedModel):
+        return "izh does not serve this model (the message says what it serves); pick a model of a supported family."
+    if isinstance(exc, ModelDownloadError):
+        return "check the network (proxy, HF_ENDPOINT) and the free disk space, then retry."
     if isinstance(exc, ModelLoadError):
-        return "check the path, the network and the free disk space, then retry."
+        return "the file or folder is not a complete model izh can read: check it, or download it again."
     return None
 
 

@@ -139,6 +139,27 @@ def find_smollm2_gguf() -> Path | None:
     return None
 
 
+GEMMA3_FILENAME = "gemma-3-270m-q4_k_m.gguf"
+
+
+def find_gemma3_gguf() -> Path | None:
+    """The real Gemma 3 270M Q4_K_M (after `izh pull gemma3`) in the izh cache, else None."""
+    cache_dir = Path(os.environ.get("IZH_CACHE_DIR") or Path.home() / ".cache" / "izh")
+    cached = cache_dir / "models" / GEMMA3_FILENAME
+    return cached if cached.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> str:
+    path = find_gemma3_gguf()
+    if path is None:
+        pytest.skip(
+            f"{GEMMA3_FILENAME} not found in $IZH_CACHE_DIR/models (default ~/.cache/izh); run `izh pull gemma3`"
+        )
+    _set_torch_threads()
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     path = find_smollm2_gguf()

@@ -171,7 +171,7 @@ def _build_core(
     except Exception as exc:  # every startup failure must reach the frontend as Dead
         reason = _one_line(exc)
         logger.error("EngineCore failed to start: %s", reason, exc_info=not isinstance(exc, IzhError))
-        send(Dead(reason))
+        send(Dead(reason, error_code=exc.code if isinstance(exc, IzhError) else None))
         return None
     ready = Ready(
         max_model_len=core.max_model_len,

@@ -41,6 +41,7 @@ import zmq.asyncio
 
 from izh.config import EngineConfig
 from izh.engine.core_proc import DEFAULT_CORE_FACTORY, run_engine_core
+from izh.errors import EngineDead, IzhError, describe_exit, model_load_error
 from izh.engine_messages import (
     AddRequest,
     Dead,
@@ -332,7 +333,7 @@ class EngineCoreClient:
         finally:
             recv.cancel()
         if isinstance(msg, Dead):
-            raise ModelLoadError(msg.reason)
+            raise model_load_error(msg.reason, msg.error_code)
         if not isinstance(msg, Ready):
             raise EngineDead(f"the engine core sent {type(msg).__name__} before Ready")
         logger.info(

@@ -6,11 +6,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from izh.errors import ModelLoadError
+from izh.errors import ModelLoadError, UnsupportedModel
 
 # RoPE variants the model code implements. "freq_factors" is llama3 scaling as GGUF stores it: a
 # per-frequency divisor tensor (rope_freqs.weight) instead of the four llama3 parameters.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn", "longrope")
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -22,7 +22,13 @@ _HF_ARCH_TO_TYPE = {
     "Qwen3ForCausalLM": "qwen3",
     "BertModel": "bert",
     "Idefics3ForConditionalGeneration": "idefics3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "MistralForCausalLM": "mistral",
+    "Phi3ForCausalLM": "phi3",
 }
+
+GEMMA_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +49,7 @@ class VisionConfig:
     def from_hf_config(cls, d: Mapping[str, Any]) -> VisionConfig:
         act = str(d.get("hidden_act", "gelu_pytorch_tanh"))
         if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu"):
-            raise ModelLoadError(f"vision hidden_act {act!r} is not supported (only gelu variants)")
+            raise UnsupportedModel(f"vision hidden_act {act!r} is not supported (only gelu variants)")
         try:
             return cls(
                 hidden_size=int(d.get("hidden_size", 1152)),
@@ -93,6 +99,19 @@ class ModelConfig:
     """The `<image>` placeholder whose embeddings the image features replace (a VLM only)."""
     scale_factor: int = 1
     """The connector's pixel-shuffle factor (Idefics3)."""
+    sliding_window: int | None = None
+    """A sliding-window layer's query at position p sees the keys at positions (p - sliding_window, p]."""
+    sliding_layers: tuple[bool, ...] = ()
+    """Per layer, whether it attends through `sliding_window` (Gemma); Mistral's window, when set,
+    applies to every layer and leaves this empty."""
+    rope_local_theta: float = 0.0
+    """RoPE base of the sliding-window layers, unscaled (Gemma 3); 0: they use the global rotary."""
+    query_pre_attn_scalar: float = 0.0
+    """Attention scale query_pre_attn_scalar**-0.5 when set (Gemma), else head_dim**-0.5."""
+    attn_logit_softcapping: float = 0.0
+    """Attention scores become cap * tanh(score / cap) when set (Gemma 2)."""
+    final_logit_softcapping: float = 0.0
+    """Logits become cap * tanh(logit / cap) when set (Gemma 2)."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -112,11 +131,17 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, d: Mapping[str, Any]) -> ModelConfig:
         """Build from a parsed Hugging Face config.json; raises ModelLoadError for unsupported features."""
-        architecture = _hf_architecture(d)
+        architecture = hf_architecture(d)
         if architecture == "bert":
             return cls._from_hf_bert_config(d)
         if architecture == "idefics3":
             return cls._from_hf_idefics3_config(d)
+        if architecture in GEMMA_ARCHITECTURES:
+            return cls._from_hf_gemma_config(d, architecture)
+        if architecture in ("mistral", "phi3"):
+            base = cls.from_hf_config({**d, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+            window = d.get("sliding_window")
+            return replace(base, architecture=architecture, sliding_window=int(window) if window else None)
         _reject_unsupported_hf_features(d)
         try:
             hidden_size = int(d["hidden_size"])
@@ -143,6 +168,51 @@ class ModelConfig:
             raise ModelLoadError(f"config.json lacks the required field {e.args[0]!r}") from e
 
     @classmethod
+    def _from_hf_gemma_config(cls, d: Mapping[str, Any], architecture: str) -> ModelConfig:
+        """Gemma 2 / Gemma 3 text: GeGLU, sandwich norms, query pre-scaling, local/global layers."""
+        act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise UnsupportedModel(
+                f"{architecture} hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)"
+            )
+        base = cls.from_hf_config({**d, "architectures": ["LlamaForCausalLM"], "hidden_act": "silu"})
+        num_layers = base.num_hidden_layers
+        layer_types = d.get("layer_types")
+        if layer_types is None:
+            pattern = int(d.get("sliding_window_pattern") or (2 if architecture == "gemma2" else 6))
+            sliding = tuple(bool((i + 1) % pattern) for i in range(num_layers))
+        else:
+            if len(layer_types) != num_layers:
+                raise ModelLoadError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+            sliding = tuple(t == "sliding_attention" for t in layer_types)
+        theta, scaling = base.rope_theta, base.rope_scaling
+        local_theta = 0.0
+        params = d.get("rope_parameters")
+        if isinstance(params, Mapping) and "full_attention" in params:
+            # transformers 5: one rope_parameters entry per layer type.
+            theta, scaling = _hf_rope({"rope_parameters": params["full_attention"]})
+            local_theta, _ = _hf_rope({"rope_parameters": params.get("sliding_attention") or {}})
+        elif architecture == "gemma3":
+            local_theta = float(d.get("rope_local_base_freq", 10000.0))
+        window = d.get("sliding_window")
+        return replace(
+            base,
+            architecture=architecture,
+            hidden_act="gelu_pytorch_tanh",
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            qk_norm=architecture == "gemma3",
+            sliding_window=int(window) if window and any(sliding) else None,
+            sliding_layers=sliding if window else (),
+            rope_local_theta=local_theta,
+            query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or base.head_dim),
+            attn_logit_softcapping=float(d.get("attn_logit_softcapping") or 0.0),
+            final_logit_softcapping=float(d.get("final_logit_softcapping") or 0.0),
+        )
+
+    @classmethod
     def _from_hf_idefics3_config(cls, d: Mapping[str, Any]) -> ModelConfig:
         """Idefics3 / SmolVLM: its text_config is a Llama (the decoder), plus the vision encoder."""
         text = d.get("text_config")
@@ -150,7 +220,7 @@ class ModelConfig:
             raise ModelLoadError("an idefics3 config.json needs a text_config object")
         text_type = text.get("model_type", "llama")
         if text_type != "llama":
-            raise ModelLoadError(f"idefics3 text model type {text_type!r} is not supported (only 'llama')")
+            raise UnsupportedModel(f"idefics3 text model type {text_type!r} is not supported (only 'llama')")
         decoder = cls.from_hf_config({**text, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
         if "image_token_id" not in d:
             raise ModelLoadError("config.json lacks the required field 'image_token_id'")
@@ -174,11 +244,13 @@ class ModelConfig:
     def _from_hf_bert_config(cls, d: Mapping[str, Any]) -> ModelConfig:
         position_type = d.get("position_embedding_type", "absolute")
         if position_type != "absolute":
-            raise ModelLoadError(
+            raise UnsupportedModel(
                 f"position_embedding_type {position_type!r} is not supported (only 'absolute')"
             )
         if d.get("is_decoder"):
-            raise ModelLoadError("is_decoder=true is not supported for BERT (izh serves BERT as an encoder)")
+            raise UnsupportedModel(
+                "is_decoder=true is not supported for BERT (izh serves BERT as an encoder)"
+            )
         try:
             hidden_size = int(d["hidden_size"])
             num_heads = int(d["num_attention_heads"])
@@ -237,7 +309,7 @@ class ModelConfig:
             vocab_size = tensor_shapes["token_embd.weight"][0]
         if vocab_size is None:
             raise ModelLoadError(f"GGUF file has neither {arch}.vocab_size nor a token_embd.weight tensor")
-        return cls(
+        config = cls(
             architecture=arch,
             vocab_size=int(vocab_size),
             hidden_size=hidden_size,
@@ -254,9 +326,70 @@ class ModelConfig:
             attention_bias="blk.0.attn_q.bias" in names,
             qk_norm="blk.0.attn_q_norm.weight" in names,
         )
+        if arch in GEMMA_ARCHITECTURES:
+            return _gguf_gemma(config, metadata)
+        if arch == "phi3":
+            window = metadata.get("phi3.attention.sliding_window")
+            return replace(config, sliding_window=int(window) if window else None)
+        return config
 
 
-def _hf_architecture(d: Mapping[str, Any]) -> str:
+def with_gguf_longrope(
+    config: ModelConfig, metadata: Mapping[str, Any], factors: Mapping[str, Any]
+) -> ModelConfig:
+    """LongRoPE scaling from a GGUF file: the factor tensors (rope_factors_short/long), the original
+    context and the attention factor llama.cpp's converter writes."""
+    arch = config.architecture
+    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise ModelLoadError(f"GGUF LongRoPE factors without {arch}.rope.scaling.original_context_length")
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "short_factor": tuple(float(f) for f in factors["short_factor"]),
+        "long_factor": tuple(float(f) for f in factors["long_factor"]),
+        "original_max_position_embeddings": int(original),
+        "factor": config.max_position_embeddings / int(original),
+    }
+    attn_factor = metadata.get(f"{arch}.rope.scaling.attn_factor")
+    if attn_factor is not None:
+        scaling["attention_factor"] = float(attn_factor)
+    return replace(config, rope_scaling=scaling)
+
+
+def _gguf_gemma(config: ModelConfig, metadata: Mapping[str, Any]) -> ModelConfig:
+    """Gemma's extras as llama.cpp reads them: the window and its layer pattern (every 2nd layer of
+    Gemma 2 global, every 6th of Gemma 3), Gemma 3's local RoPE base 10000, and the query scale
+    (hidden / heads for the 27B models, head_dim for the others)."""
+    arch = config.architecture
+    n = config.num_hidden_layers
+    gemma2 = arch == "gemma2"
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern") or (2 if gemma2 else 6)
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    if isinstance(pattern, list):  # one flag per layer, true = sliding window
+        if len(pattern) != n:
+            raise ModelLoadError(
+                f"{arch}.attention.sliding_window_pattern has {len(pattern)} flags for {n} layers"
+            )
+        sliding = tuple(bool(p) for p in pattern)
+    else:
+        sliding = tuple(bool((i + 1) % int(pattern)) for i in range(n))
+    is_27b = n == (46 if gemma2 else 62)
+    scalar = config.hidden_size // config.num_attention_heads if is_27b else config.head_dim
+    return replace(
+        config,
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=int(window) if window else None,
+        sliding_layers=sliding if window else (),
+        rope_local_theta=0.0 if gemma2 else 10000.0,
+        query_pre_attn_scalar=float(scalar),
+        attn_logit_softcapping=float(metadata.get(f"{arch}.attn_logit_softcapping") or 0.0),
+        final_logit_softcapping=float(metadata.get(f"{arch}.final_logit_softcapping") or 0.0),
+    )
+
+
+def hf_architecture(d: Mapping[str, Any]) -> str:
+    """The registry key of a config.json: the model type of a known `architectures` entry, else that
+    entry (or the model_type) as is."""
     archs = d.get("architectures") or []
     for name in archs:
         if name in _HF_ARCH_TO_TYPE:
@@ -273,13 +406,13 @@ def _reject_unsupported_hf_features(d: Mapping[str, Any]) -> None:
     # Refuse loudly rather than compute something subtly different from the reference model.
     act = d.get("hidden_act", "silu")
     if act != "silu":
-        raise ModelLoadError(f"hidden_act {act!r} is not supported (only 'silu')")
+        raise UnsupportedModel(f"hidden_act {act!r} is not supported (only 'silu')")
     if d.get("mlp_bias"):
-        raise ModelLoadError("mlp_bias=true is not supported")
+        raise UnsupportedModel("mlp_bias=true is not supported")
     if d.get("use_sliding_window"):
-        raise ModelLoadError("use_sliding_window=true is not supported")
+        raise UnsupportedModel("use_sliding_window=true is not supported")
     if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ModelLoadError("partial_rotary_factor != 1 is not supported")
+        raise UnsupportedModel("partial_rotary_factor != 1 is not supported")
 
 
 def _hf_rope(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -295,6 +428,16 @@ def _hf_rope(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     scaling.pop("type", None)
     if rope_type == "default":
         return theta, None
+    if rope_type in ("su", "longrope", "yarn"):
+        # Phi-3 keeps the original context at the top level ("su" is LongRoPE's first name); a missing
+        # factor is the context extension, as transformers derives it.
+        rope_type = "longrope" if rope_type == "su" else rope_type
+        if "original_max_position_embeddings" in d:
+            scaling.setdefault("original_max_position_embeddings", d["original_max_position_embeddings"])
+        if scaling.get("factor") is None and "original_max_position_embeddings" in scaling:
+            scaling["factor"] = float(d.get("max_position_embeddings", 2048)) / float(
+                scaling["original_max_position_embeddings"]
+            )
     return theta, {"rope_type": rope_type, **scaling}
 
 
@@ -308,8 +451,25 @@ def _gguf_rope_scaling(
         return None
     if scaling_type == "linear":
         return {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
-    raise ModelLoadError(
-        f"GGUF rope scaling type {scaling_type!r} is not supported (supported: none, linear, rope_freqs)"
+    if scaling_type == "yarn":
+        # llama.cpp's keys (convert_hf_to_gguf writes the factor and the original context length).
+        factor = metadata.get(f"{arch}.rope.scaling.factor")
+        original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+        if factor is None or original is None:
+            raise ModelLoadError(
+                f"GGUF yarn rope scaling needs {arch}.rope.scaling.factor and .original_context_length"
+            )
+        yarn: dict[str, Any] = {
+            "rope_type": "yarn",
+            "factor": float(factor),
+            "original_max_position_embeddings": int(original),
+        }
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if f"{arch}.rope.scaling.{key}" in metadata:
+                yarn[name] = float(metadata[f"{arch}.rope.scaling.{key}"])
+        return yarn
+    raise UnsupportedModel(
+        f"GGUF rope scaling type {scaling_type!r} is not supported (supported: none, linear, yarn, rope_freqs)"
     )
 
 
@@ -318,7 +478,7 @@ def _check_rope_scaling(scaling: Mapping[str, Any] | None) -> None:
         return
     rope_type = scaling.get("rope_type")
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(
+        raise UnsupportedModel(
             f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
     required: tuple[str, ...] = {
@@ -326,6 +486,8 @@ def _check_rope_scaling(scaling: Mapping[str, Any] | None) -> None:
         "linear": ("factor",),
         "llama3": _LLAMA3_KEYS,
         "freq_factors": ("freq_factors",),
+        "yarn": ("factor", "original_max_position_embeddings"),
+        "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
     }[rope_type]
     missing = [k for k in required if k not in scaling]
     if missing:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from izh.errors import ModelLoadError
 from izh.kernels.cpu.gguf_blocks import GGUF_BLOCK_TYPES
-from izh.model.config import ModelConfig
+from izh.model.config import ModelConfig, with_gguf_longrope
 from izh.model.gguf_file import GGUFFile, GGUFTensorInfo
 from izh.model.weights import CheckpointTensor
 
@@ -38,8 +38,20 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms per layer: llama.cpp's ffn_norm is the pre-feedforward norm there.
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Phi-3: fused q/k/v, and ffn_up holding gate and up (split by izh.model.phi3 after renaming).
+_PHI3_BLOCK_NAMES = {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES, "phi3": _PHI3_BLOCK_NAMES}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
+LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+"""LongRoPE's per-frequency factors (Phi-3), folded into ModelConfig.rope_scaling."""
 _FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
@@ -65,20 +77,28 @@ def gguf_model_config(file: GGUFFile) -> ModelConfig:
     check_servable(file)
     shapes = {t.name: t.shape for t in file.tensors}
     freq_factors = None
+    longrope: dict[str, list[float]] = {}
     for t in file.tensors:
         if t.name == ROPE_FREQS_TENSOR:
             freq_factors = dequantize(file, t).reshape(-1).tolist()
-    return ModelConfig.from_gguf_metadata(file.metadata, shapes, rope_freq_factors=freq_factors)
+        elif t.name in LONGROPE_TENSORS:
+            key = "short_factor" if t.name == LONGROPE_TENSORS[0] else "long_factor"
+            longrope[key] = dequantize(file, t).reshape(-1).tolist()
+    config = ModelConfig.from_gguf_metadata(file.metadata, shapes, rope_freq_factors=freq_factors)
+    if len(longrope) == 2:
+        config = with_gguf_longrope(config, file.metadata, longrope)
+    return config
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """transformers' checkpoint name for a GGUF tensor name; None if unknown."""
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
+    """transformers' checkpoint name for a GGUF tensor name of `architecture`; None if unknown."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    block_names = _ARCH_BLOCK_NAMES.get(architecture, _BLOCK_NAMES)
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
+    if m is None or m.group(2) not in block_names:
         return None
-    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
 
 
 def dequantize(file: GGUFFile, info: GGUFTensorInfo, *, unpermute_heads: int = 0) -> Tensor:
@@ -146,8 +166,9 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def quantized_tensor_types(file: GGUFFile) -> dict[str, str]:
     """transformers' name -> GGUF type name (e.g. "Q4_1") of every tensor stored quantized."""
     types = {}
+    architecture = str(file.metadata.get("general.architecture", "llama"))
     for t in file.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, architecture)
         if name is not None and t.ggml_type.name not in _FLOAT_TYPES:
             types[name] = t.ggml_type.name
     return types
@@ -158,9 +179,9 @@ def gguf_checkpoint_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[Che
     un-permuted) only when read. An unknown GGUF tensor keeps its GGUF name (the loader rejects it)."""
     permuted = config.architecture in _PERMUTED_QK_ARCHITECTURES
     for t in file.tensors:
-        if t.name == ROPE_FREQS_TENSOR:
+        if t.name == ROPE_FREQS_TENSOR or t.name in LONGROPE_TENSORS:
             continue  # folded into ModelConfig.rope_scaling
-        name = hf_name(t.name)
+        name = hf_name(t.name, config.architecture)
         heads = 0
         if permuted and name is not None:
             if ".self_attn.q_proj." in name:

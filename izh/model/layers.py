@@ -138,7 +138,64 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return inv_freq / factors
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
+    if rope_type == "longrope":
+        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
     return inv_freq
+
+
+def _longrope_long_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> Tensor:
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    return 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * theta**exponent)
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for every other RoPE type), as transformers does:
+    `attention_factor` when given, else 0.1 * ln(factor) + 1 (with DeepSeek's mscale ratio if set)."""
+    if scaling is None or scaling["rope_type"] not in ("yarn", "longrope"):
+        return 1.0
+    if scaling["rope_type"] == "longrope":
+        # LongRoPE (Phi-3): sqrt(1 + ln(factor) / ln(original context)).
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor = float(scaling["factor"])
+        original = float(scaling["original_max_position_embeddings"])
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale(1.0)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> Tensor:
+    # YaRN (arXiv 2309.00071): dimensions rotating more than beta_fast times over the original context
+    # keep their frequency, those rotating fewer than beta_slow times are interpolated by `factor`, a
+    # linear ramp in between.
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(torch.float32) / head_dim)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any]) -> Tensor:
@@ -185,7 +242,16 @@ class RotaryEmbedding(nn.Module):
             inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
             positions = torch.arange(self.max_position, dtype=torch.int64).to(torch.float32)
             freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
+            if self.scaling is not None and self.scaling["rope_type"] == "longrope":
+                # Positions past the original context rotate with the long factors: what transformers
+                # computes for tokens generated past it (their keys cached earlier keep the short ones).
+                original = int(self.scaling["original_max_position_embeddings"])
+                long_inv_freq = _longrope_long_inv_freq(self.head_dim, self.theta, self.scaling)
+                freqs[original:] = positions[original:, None] * long_inv_freq[None, :]
             cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, head_dim]
+            factor = rope_attention_factor(self.scaling)
+            if factor != 1.0:
+                cache = cache * factor
         return cache.to(device=torch.get_default_device(), dtype=dtype)
 
     def forward(self, positions: Tensor) -> Tensor:

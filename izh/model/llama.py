@@ -149,8 +149,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        qkv_bias, o_bias = self.attention_biases(config)
-        self.model = DecoderModel(config, qkv_bias=qkv_bias, o_bias=o_bias, dtype=dtype)
+        self.model = self.build_decoder(config, dtype)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -173,6 +172,11 @@ class LlamaForCausalLM(nn.Module):
         """Resident LoRA adapters (izh.model.lora, attached by the engine): the linears' hooks add the
         deltas on the module path, the fused stack adds them itself on the decode steps it runs."""
         self._kv_caches_bound = False
+
+    def build_decoder(self, config: ModelConfig, dtype: torch.dtype) -> DecoderModel:
+        """The `model.` module (embedding, layers, final norm); a family with other layers overrides it."""
+        qkv_bias, o_bias = self.attention_biases(config)
+        return DecoderModel(config, qkv_bias=qkv_bias, o_bias=o_bias, dtype=dtype)
 
     @staticmethod
     def attention_biases(config: ModelConfig) -> tuple[bool, bool]:

@@ -18,12 +18,14 @@ from torch import nn
 
 from izh.errors import ModelLoadError
 from izh.model import gguf_loader, parallel
-from izh.model.config import ModelConfig
+from izh.model.config import GEMMA_ARCHITECTURES, ModelConfig, hf_architecture
+from izh.model.gemma import gemma_checkpoint_tensors
 from izh.model.gguf_file import GGUFFile
 from izh.model.idefics3 import Idefics3ForConditionalGeneration
 from izh.model.llama import LlamaForCausalLM
 from izh.model.packing import pack_gguf_blocks
 from izh.model.parallel import TensorParallel
+from izh.model.phi3 import phi3_checkpoint_tensors
 from izh.model.registry import build_model, get_model_class
 from izh.model.weights import CheckpointTensor, ProgressFn, load_weights
 
@@ -48,11 +50,21 @@ def load_model_config(path: str) -> ModelConfig:
     _check_exists(path)
     if is_gguf(path):
         with GGUFFile(path) as file:
+            _check_architecture(file.metadata.get("general.architecture"))
             config = gguf_loader.gguf_model_config(file)
     else:
-        config = ModelConfig.from_hf_config(_read_hf_config(path))
+        hf_config = _read_hf_config(path)
+        _check_architecture(hf_architecture(hf_config))
+        config = ModelConfig.from_hf_config(hf_config)
     get_model_class(config.architecture)  # reject unsupported architectures here, not at load time
     return config
+
+
+def _check_architecture(architecture: object) -> None:
+    """An architecture izh does not serve is refused by name before its config is parsed (a parse of
+    another family's metadata would fail on some missing key instead)."""
+    if isinstance(architecture, str):
+        get_model_class(architecture)
 
 
 def checkpoint_quant_types(path: str) -> dict[str, str]:
@@ -87,10 +99,15 @@ def load_model(
     with ExitStack() as files:
         if is_gguf(path):
             file = files.enter_context(GGUFFile(path))
+            _check_architecture(file.metadata.get("general.architecture"))
             config = gguf_loader.gguf_model_config(file)
             tensors: list[CheckpointTensor] = list(gguf_loader.gguf_checkpoint_tensors(file, config))
+            if config.architecture == "phi3":
+                tensors = list(phi3_checkpoint_tensors(tensors, config))
         else:
-            config = ModelConfig.from_hf_config(_read_hf_config(path))
+            hf_config = _read_hf_config(path)
+            _check_architecture(hf_architecture(hf_config))
+            config = ModelConfig.from_hf_config(hf_config)
             if _pytorch_bin_only(path):
                 tensors = list(_pytorch_bin_checkpoint_tensors(path))
             else:
@@ -99,6 +116,10 @@ def load_model(
                 tensors = _encoder_tensors(tensors)
             if config.vision is not None:
                 tensors = _vlm_tensors(tensors)
+            if config.architecture in GEMMA_ARCHITECTURES:
+                tensors = list(gemma_checkpoint_tensors(tensors))
+            if config.architecture == "phi3":
+                tensors = list(phi3_checkpoint_tensors(tensors, config))
         get_model_class(config.architecture)
         if tp is not None and tp.world_size > 1:
             parallel.check_tensor_parallel(config, tp.world_size)

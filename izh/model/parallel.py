@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from izh.errors import ModelLoadError
+from izh.errors import ModelLoadError, UnsupportedModel
 from izh.model.layers import Linear, RotaryEmbedding, VocabEmbedding
 
 if TYPE_CHECKING:
@@ -159,6 +159,11 @@ def check_tensor_parallel(config: ModelConfig, world_size: int) -> None:
         raise ModelLoadError(
             f"tensor_parallel_size {world_size}: tensor parallelism serves decoder models only, and "
             f"{config.architecture} is an encoder; use --tensor-parallel-size 1"
+        )
+    if config.architecture in ("gemma2", "gemma3"):
+        raise UnsupportedModel(
+            f"tensor_parallel_size {world_size}: {config.architecture}'s layers are not split across ranks; "
+            "use --tensor-parallel-size 1"
         )
     if config.vision is not None:
         raise ModelLoadError(

@@ -7,12 +7,15 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from izh.errors import ModelLoadError
+from izh.errors import UnsupportedModel
 from izh.model.attention import AttentionMetadata
 from izh.model.bert import BertModel
 from izh.model.config import ModelConfig
+from izh.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from izh.model.idefics3 import Idefics3ForConditionalGeneration
 from izh.model.llama import LlamaForCausalLM
+from izh.model.mistral import MistralForCausalLM
+from izh.model.phi3 import Phi3ForCausalLM
 from izh.model.qwen2 import Qwen2ForCausalLM
 from izh.model.qwen3 import Qwen3ForCausalLM
 
@@ -36,12 +39,20 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM] | type[BertModel]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "BertModel": BertModel,
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     # GGUF `general.architecture`, also ModelConfig.architecture
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "bert": BertModel,
     "idefics3": Idefics3ForConditionalGeneration,
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+    "mistral": MistralForCausalLM,
+    "phi3": Phi3ForCausalLM,
 }
 
 
@@ -50,7 +61,7 @@ def get_model_class(architecture: str) -> type[LlamaForCausalLM] | type[BertMode
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
-        raise ModelLoadError(
+        raise UnsupportedModel(
             f"unsupported model architecture {architecture!r} (supported: {', '.join(MODEL_REGISTRY)})"
         ) from None
 

@@ -17,8 +17,10 @@ from typing import Any
 
 import tokenizers
 
-from izh.errors import ModelLoadError
+from izh.errors import ModelLoadError, UnsupportedModel
+from izh.tokenizer.builtin_templates import BUILTIN_CHAT_TEMPLATES
 from izh.tokenizer.gguf_metadata import read_gguf_metadata
+from izh.tokenizer.sentencepiece_gguf import sentencepiece_document
 from izh.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -98,22 +100,31 @@ def tokenizer_from_gguf_metadata(metadata: dict[str, Any], *, source: str = "GGU
     """The Tokenizer for already-read GGUF metadata (see load_gguf_tokenizer)."""
     tokens = _require(metadata, "tokenizer.ggml.tokens", source)
     model = metadata.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ModelLoadError(
-            f"{source}: tokenizer model {model!r} is not supported (supported: 'gpt2', byte-level BPE)"
-        )
-    pre_name = metadata.get("tokenizer.ggml.pre", "default")
-    spec = PRE_TOKENIZERS.get(pre_name)
-    if spec is None:
-        raise ModelLoadError(
-            f"{source}: pre-tokenizer {pre_name!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})"
-        )
     token_types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = _require(metadata, "tokenizer.ggml.merges", source)
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", spec.add_bos_default))
-    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     ids = _special_ids(metadata, len(tokens))
-    document = _tokenizer_json(tokens, token_types, merges, spec)
+    if model == "gpt2":
+        pre_name = metadata.get("tokenizer.ggml.pre", "default")
+        spec = PRE_TOKENIZERS.get(pre_name)
+        if spec is None:
+            raise UnsupportedModel(
+                f"{source}: pre-tokenizer {pre_name!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})"
+            )
+        merges = _require(metadata, "tokenizer.ggml.merges", source)
+        add_bos_default = spec.add_bos_default
+        document = _tokenizer_json(tokens, token_types, merges, spec)
+    elif model == "llama":
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+        add_bos_default = True
+        document = _sentencepiece_json(metadata, tokens, token_types, ids)
+        if "eot_token_id" not in ids:
+            ids.update(_end_of_turn_id(tokens, token_types))
+    else:
+        raise UnsupportedModel(
+            f"{source}: tokenizer model {model!r} is not supported "
+            "(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece)"
+        )
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default))
+    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     document["post_processor"] = _post_processor(tokens, ids, add_bos=add_bos, add_eos=add_eos)
     try:
         backend = tokenizers.Tokenizer.from_str(json.dumps(document, ensure_ascii=False))
@@ -129,6 +140,33 @@ def tokenizer_from_gguf_metadata(metadata: dict[str, Any], *, source: str = "GGU
         generation_config={},
         vocab_size=len(tokens),
     )
+
+
+def _sentencepiece_json(
+    metadata: dict[str, Any], tokens: list[str], token_types: list[int], ids: dict[str, int]
+) -> dict[str, Any]:
+    architecture = str(metadata.get("general.architecture", "llama"))
+    unk_id = ids.get("unk_token")
+    document = sentencepiece_document(
+        architecture,
+        tokens,
+        metadata.get("tokenizer.ggml.scores"),
+        unk_token=tokens[unk_id] if unk_id is not None else None,
+        add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", True)),
+    )
+    document["added_tokens"] = _added_tokens(tokens, token_types, document["model"]["vocab"])
+    return document
+
+
+# Turn-end pieces that end a chat reply although the file names no eot id (llama.cpp finds them by text).
+_END_OF_TURN_PIECES = ("<end_of_turn>", "<|end|>", "<|eot_id|>", "<|im_end|>")
+
+
+def _end_of_turn_id(tokens: list[str], token_types: list[int]) -> dict[str, int]:
+    for token_id, (token, token_type) in enumerate(zip(tokens, token_types, strict=False)):
+        if token_type == _CONTROL and token in _END_OF_TURN_PIECES:
+            return {"eot_token_id": token_id}
+    return {}
 
 
 def _require(metadata: dict[str, Any], key: str, source: str) -> Any:
@@ -231,10 +269,13 @@ def _post_processor(
 
 
 def _chat_templates(metadata: dict[str, Any]) -> dict[str, str]:
-    """The file's chat templates: "default" from tokenizer.chat_template, named ones after it."""
+    """The file's chat templates: "default" from tokenizer.chat_template (else the family's built-in
+    one, see builtin_templates), named ones after it."""
     templates = {}
     default = metadata.get("tokenizer.chat_template")
-    if isinstance(default, str):
+    if not isinstance(default, str):
+        default = BUILTIN_CHAT_TEMPLATES.get(str(metadata.get("general.architecture")))
+    if default is not None:
         templates["default"] = default
     prefix = "tokenizer.chat_template."
     for key, value in metadata.items():

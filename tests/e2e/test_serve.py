@@ -194,6 +194,10 @@ def serve_a_model_that_cannot_load(tiny_llama_dir: str, tmp_path: Path, *flags: 
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
     assert result.returncode == 1
     assert "NoSuchModelForCausalLM" in result.stderr
+    # Named with what izh serves, and a hint about support (not the network: nothing was fetched).
+    assert "supported: LlamaForCausalLM" in result.stderr and "Gemma3ForCausalLM" in result.stderr
+    assert "izh does not serve this model" in result.stderr
+    assert "network" not in result.stderr
 
 
 def test_core_that_cannot_start_makes_serve_exit_1(tiny_llama_dir: str, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from izh.errors import ModelLoadError
+from izh.errors import ModelLoadError, UnsupportedModel
 from izh.model import ModelConfig, load_model, load_model_config
 from izh.model.registry import MODEL_REGISTRY, get_model_class
 
@@ -129,12 +129,12 @@ def test_missing_shard_is_named(tiny_qwen2_dir: str, tmp_path: Path) -> None:
 
 def test_unknown_architecture_lists_supported(tiny_llama_dir: str, tmp_path: Path) -> None:
     folder = _copy(tiny_llama_dir, tmp_path / "m")
-    _edit_config(folder, architectures=["MistralForCausalLM"], model_type="mistral")
+    _edit_config(folder, architectures=["FalconForCausalLM"], model_type="falcon")
     for load in (load_model_config, lambda p: load_model(p, dtype=torch.float32)):
-        with pytest.raises(ModelLoadError, match=f"MistralForCausalLM.*{SUPPORTED}"):
+        with pytest.raises(UnsupportedModel, match=f"FalconForCausalLM.*{SUPPORTED}"):
             load(str(folder))
     with pytest.raises(ModelLoadError, match=r"supported: .*qwen3"):
-        get_model_class("gemma")
+        get_model_class("falcon")
     assert set(MODEL_REGISTRY) >= {"llama", "qwen2", "qwen3"}
 
 
@@ -192,7 +192,14 @@ def test_config_from_hf_variants() -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn.*supported: default, linear, llama3"),
+        (
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+            "dynamic.*supported: default, linear, llama3",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+            "yarn.* lacks original_max_position_embeddings",
+        ),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks low_freq_factor"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"num_key_value_heads": 3}, "multiple"),

@@ -108,3 +108,65 @@ def test_bfloat16_runs_close_to_float32(tiny_qwen3_dir: str, tiny_tokenizer) -> 
     assert diff.mean().item() < 0.1
     assert diff.max().item() < 1.0
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.85
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },  # Qwen2.5 / Qwen3 long context
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 16,
+            "beta_slow": 2,
+        },
+    ],
+)
+def test_yarn_rope_matches_transformers(rope_scaling: dict[str, object]) -> None:
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    from izh.model.config import ModelConfig
+
+    hf_config = Qwen2Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        rope_theta=1e6,
+        rope_scaling=rope_scaling,
+    )
+    d = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 32,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "rope_theta": 1e6,
+        "rope_scaling": rope_scaling,
+    }
+    config = ModelConfig.from_hf_config(d)
+    assert config.rope_scaling is not None and config.rope_scaling["rope_type"] == "yarn"
+    ours = RotaryEmbedding(
+        config.head_dim,
+        config.max_position_embeddings,
+        config.rope_theta,
+        config.rope_scaling,
+        dtype=torch.float32,
+    )
+    positions = torch.tensor([0, 1, 63, 64, 500, 1023])
+    cos, sin = Qwen2RotaryEmbedding(hf_config)(torch.zeros(1, dtype=torch.float32), positions[None])
+    half = config.head_dim // 2
+    got = ours(positions)
+    torch.testing.assert_close(got[:, :half], cos[0, :, :half], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[:, half:], sin[0, :, :half], rtol=0, atol=1e-5)
+    assert not torch.allclose(
+        got, RotaryEmbedding(config.head_dim, 1024, 1e6, None, dtype=torch.float32)(positions)
+    )

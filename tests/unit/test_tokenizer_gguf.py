@@ -230,8 +230,10 @@ def test_unsupported_files_raise_model_load_error(tmp_path: Path) -> None:
 
 
 def test_metadata_without_a_usable_tokenizer_is_a_load_error() -> None:
-    with pytest.raises(ModelLoadError, match=r"tokenizer model 'llama' is not supported"):
-        tokenizer_from_gguf_metadata({"tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.model": "llama"})
+    with pytest.raises(
+        ModelLoadError, match=r"tokenizer model 't5' is not supported.*'llama', SentencePiece"
+    ):
+        tokenizer_from_gguf_metadata({"tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.model": "t5"})
     with pytest.raises(ModelLoadError, match=r"no tokenizer\.ggml\.tokens"):
         tokenizer_from_gguf_metadata({"general.architecture": "llama"})
 

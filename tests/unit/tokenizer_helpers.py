@@ -223,3 +223,53 @@ def train_sentencepiece_like(vocab_size: int = 400) -> Tokenizer:
         ],
     }
     return Tokenizer.from_str(json.dumps(document))
+
+
+def write_sentencepiece_gguf(
+    path: Path,
+    *,
+    architecture: str = "llama",
+    add_bos: bool | None = None,
+    add_space_prefix: bool | None = None,
+    chat_template: str | None = None,
+) -> Path:
+    """A metadata-only GGUF holding a SentencePiece vocabulary (`tokenizer.ggml.model = "llama"`) the
+    way convert_hf_to_gguf writes one: pieces, scores (higher = merged earlier), token types (unknown,
+    control, byte, user-defined) and no merges. Gemma's files store runs of spaces as real spaces."""
+    trained = train_sentencepiece_like()
+    tokens, _ = vocab_and_merges(trained)
+    tokens = [*tokens, "<pad>", "<mask>", "<start_of_turn>", "<end_of_turn>", "<think>"]
+    if architecture.startswith("gemma"):
+        # Gemma's names for the specials, and its spelling of space runs.
+        tokens[1:3] = ["<bos>", "<eos>"]
+        tokens = [" " * len(t) if len(t) > 1 and set(t) == {"\u2581"} else t for t in tokens]
+    types = [1] * len(tokens)
+    types[0] = 2  # <unk>
+    types[1] = types[2] = 3  # <s>, </s>
+    for byte in range(256):
+        types[3 + byte] = 6
+    types[-5:-1] = [3, 3, 3, 3]
+    types[-1] = 4  # <think>: user-defined
+    # SentencePiece BPE scores: a piece merged earlier (lower id here) scores higher; bytes and
+    # control pieces 0.
+    scores = [0.0 if types[i] != 1 else -float(i) for i in range(len(tokens))]
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    if add_space_prefix is not None:
+        writer.add_add_space_prefix(add_space_prefix)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,186 @@
+"""Gemma 2 and Gemma 3 text decoders, on the Llama decoder's pieces.
+
+What differs from Llama: the embeddings are scaled by sqrt(hidden_size); every norm is RMSNorm with
+(1 + weight) (folded into the weight at load: GGUF files store 1 + w already, HF checkpoints get +1 in
+`gemma_checkpoint_tensors`); four norms per layer (before and after attention and MLP, the "after"
+ones applied to the branch output before the residual add); the MLP is GeGLU (gelu tanh); the
+query scale is query_pre_attn_scalar**-0.5; sliding-window and global layers alternate. Gemma 2
+soft-caps attention scores and logits; Gemma 3 has per-head q/k norms and a separate RoPE base for
+its local layers.
+
+Attention goes through izh.model.sliding_window's WindowedBackend: the engine's backend whenever that
+is exact, else a torch path reading only the window's slots. The fused C decode stack is Llama-shaped and not used (the module path runs
+with packed linears).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from izh.model.attention import AttentionBackend, AttentionMetadata
+from izh.model.config import ModelConfig
+from izh.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabEmbedding
+from izh.model.llama import DecoderAttention, LlamaForCausalLM
+from izh.model.sliding_window import WindowedBackend
+from izh.model.weights import CheckpointTensor
+
+
+class GeGLUMLP(GatedMLP):
+    """down(gelu_tanh(gate(x)) * up(x)), gate and up packed in one matmul."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
+
+
+class GemmaAttention(DecoderAttention):
+    """DecoderAttention with Gemma's query scale, an optional sliding window and score soft-capping."""
+
+    def __init__(self, config: ModelConfig, *, sliding: bool, dtype: torch.dtype) -> None:
+        super().__init__(config, qkv_bias=config.attention_bias, o_bias=config.attention_bias, dtype=dtype)
+        self.scale = config.query_pre_attn_scalar**-0.5 if config.query_pre_attn_scalar else self.scale
+        self.sliding_window = config.sliding_window if sliding else None
+        self.softcap = config.attn_logit_softcapping
+        self._backend = WindowedBackend(self.sliding_window, self.softcap)
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        cos_sin: Tensor,
+        attn_metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> Tensor:
+        self._backend.inner = backend
+        return super().forward(hidden_states, cos_sin, attn_metadata, self._backend)
+
+
+class GemmaDecoderLayer(nn.Module):
+    """x + post_attn_norm(attn(norm(x))), then x + post_ffw_norm(mlp(pre_ffw_norm(x)))."""
+
+    def __init__(self, config: ModelConfig, *, sliding: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.sliding = sliding
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
+        self.self_attn = GemmaAttention(config, sliding=sliding, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
+        self.mlp = GeGLUMLP(config.hidden_size, config.intermediate_size, dtype=dtype)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        residual: Tensor | None,
+        cos_sin: Tensor,
+        attn_metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[Tensor, Tensor]:
+        """(this block's normed MLP output, the residual stream before it), as DecoderLayer."""
+        if residual is None:
+            residual = hidden_states
+            normed = self.input_layernorm(hidden_states)
+        else:
+            normed = self.input_layernorm.add_forward(hidden_states, residual)  # residual += h
+        attn_out = self.post_attention_layernorm(self.self_attn(normed, cos_sin, attn_metadata, backend))
+        normed = self.pre_feedforward_layernorm.add_forward(attn_out, residual)  # residual += attn
+        return self.post_feedforward_layernorm(self.mlp(normed)), residual
+
+
+class GemmaDecoderModel(nn.Module):
+    """Scaled embedding, the layers (each with its rotary: local or global) and the final norm."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        sliding = config.sliding_layers or (False,) * config.num_hidden_layers
+        self.layers = nn.ModuleList(GemmaDecoderLayer(config, sliding=s, dtype=dtype) for s in sliding)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        # transformers rounds sqrt(hidden) to the model's dtype before multiplying.
+        self.embed_scale = float(torch.tensor(config.hidden_size**0.5, dtype=dtype))
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        cos_sin: tuple[Tensor, Tensor],
+        attn_metadata: AttentionMetadata,
+        backend: AttentionBackend,
+        inputs_embeds: Tensor | None = None,
+    ) -> Tensor:
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden_states = embeds * self.embed_scale  # [num_tokens, hidden_size]
+        global_cos_sin, local_cos_sin = cos_sin
+        residual: Tensor | None = None
+        for module in self.layers:
+            layer = cast(GemmaDecoderLayer, module)
+            rotary = local_cos_sin if layer.sliding else global_cos_sin
+            hidden_states, residual = layer(hidden_states, residual, rotary, attn_metadata, backend)
+        assert residual is not None
+        return self.norm.add_forward(hidden_states, residual)
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """Gemma 2 / Gemma 3 text causal LM (the config says which features are on)."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(config, dtype=dtype)
+        self.local_rotary_emb = (
+            RotaryEmbedding(
+                config.head_dim, config.max_position_embeddings, config.rope_local_theta, None, dtype=dtype
+            )
+            if config.rope_local_theta
+            else None
+        )
+
+    def build_decoder(self, config: ModelConfig, dtype: torch.dtype) -> GemmaDecoderModel:  # type: ignore[override]
+        return GemmaDecoderModel(config, dtype=dtype)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        attn_metadata: AttentionMetadata,
+        inputs_embeds: Tensor | None = None,
+    ) -> Tensor:
+        global_cos_sin = self.rotary_emb(positions)
+        local = self.local_rotary_emb
+        local_cos_sin = global_cos_sin if local is None else local(positions)
+        backend = self.paged_backend if self._kv_caches_bound else self.reference_backend
+        model = cast(GemmaDecoderModel, self.model)
+        return model(input_ids, (global_cos_sin, local_cos_sin), attn_metadata, backend, inputs_embeds)
+
+    def prepare_fused_decode(self) -> bool:
+        """The fused C stack runs Llama's layer; Gemma's decode runs the modules (packed linears)."""
+        self.fused_stack = None
+        return False
+
+    def compute_logits(self, hidden_states: Tensor, out: Tensor | None = None) -> Tensor:
+        logits = super().compute_logits(hidden_states, out)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Gemma 3 text: q/k norms and local RoPE base (both from the config)."""
+
+
+def gemma_checkpoint_tensors(tensors: list[CheckpointTensor]) -> Iterator[CheckpointTensor]:
+    """A HF Gemma checkpoint with 1 added to every RMSNorm weight (Gemma computes x * (1 + w); GGUF
+    files already store 1 + w, as llama.cpp's converter writes them)."""
+    for t in tensors:
+        if t.name.endswith("norm.weight"):
+            yield CheckpointTensor(name=t.name, shape=t.shape, source=t.source, read=_plus_one(t))
+        else:
+            yield t
+
+
+def _plus_one(t: CheckpointTensor) -> Callable[[], Tensor]:
+    read = t.read
+    return lambda: read().float().add(1.0)
