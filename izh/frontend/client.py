@@ -41,7 +41,6 @@ import zmq.asyncio
 
 from izh.config import EngineConfig
 from izh.engine.core_proc import DEFAULT_CORE_FACTORY, run_engine_core
-from izh.errors import EngineDead, IzhError, describe_exit, model_load_error
 from izh.engine_messages import (
     AddRequest,
     Dead,
@@ -56,7 +55,7 @@ from izh.engine_messages import (
     make_encoder,
     make_output_decoder,
 )
-from izh.errors import EngineDead, IzhError, ModelLoadError, describe_exit
+from izh.errors import EngineDead, IzhError, describe_exit, model_load_error
 
 logger = logging.getLogger(__name__)
 
