@@ -13,6 +13,7 @@ from izh.model.bert import BertModel
 from izh.model.config import ModelConfig
 from izh.model.idefics3 import Idefics3ForConditionalGeneration
 from izh.model.llama import LlamaForCausalLM
+from izh.model.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from izh.model.qwen2 import Qwen2ForCausalLM
 from izh.model.qwen3 import Qwen3ForCausalLM
 
@@ -42,6 +43,12 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM] | type[BertModel]] = {
     "qwen3": Qwen3ForCausalLM,
     "bert": BertModel,
     "idefics3": Idefics3ForConditionalGeneration,
+    # Mixture of experts (izh.model.moe). GGUF: qwen3moe; a Mixtral GGUF is "llama" with experts, which
+    # ModelConfig names "mixtral".
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "qwen3moe": Qwen3MoeForCausalLM,
+    "mixtral": MixtralForCausalLM,
 }
 
 
