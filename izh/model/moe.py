@@ -58,20 +58,18 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         num_tokens, hidden = x.shape
         k = self.top_k
-        expert_ids, weights = moe_route(x, self.gate.weight, k, self.renormalize)  # [T, k] each
-        flat_ids = expert_ids.view(-1)  # pair p = (token p // k, its slot p % k)
-        order = torch.argsort(flat_ids, stable=True)  # pairs by expert, tokens ascending within one
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        rows = x.index_select(0, order // k)  # [T * k, hidden], grouped by expert
+        routing = moe_route(x, self.gate.weight, k, self.renormalize)
+        order = routing.order
+        rows = x.index_select(0, routing.tokens)  # [T * k, hidden], grouped by expert
         pair_out = x.new_empty(num_tokens * k, hidden)  # expert outputs back in (token, slot) order
         start = 0
-        for expert, count in enumerate(counts):
+        for expert, count in enumerate(routing.counts):
             if count:
                 end = start + count
                 pair_out.index_copy_(0, order[start:end], self.experts[expert](rows[start:end]))
                 start = end
         pair_out = pair_out.view(num_tokens, k, hidden)
-        weights = weights.to(x.dtype)
+        weights = routing.weights.to(x.dtype)
         # A token's slots are in ascending expert order (moe_route's contract); transformers adds the
         # experts' weighted outputs in that order onto zeros, and so does this.
         out = pair_out[:, 0] * weights[:, 0:1]

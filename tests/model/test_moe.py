@@ -119,7 +119,8 @@ def test_route_kernel_matches_reference_and_ignores_the_batch(
     g = torch.Generator().manual_seed(num_experts + top_k)
     x = torch.randn(67, 96, generator=g)
     router = torch.randn(num_experts, 96, generator=g) * 0.2
-    ids, weights = moe_route(x, router, top_k, renormalize)
+    routing = moe_route(x, router, top_k, renormalize)
+    ids, weights = routing.expert_ids, routing.weights
     ref_ids, ref_weights = moe_route_ref(x, router, top_k, renormalize)
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32
     assert torch.equal(ids, ref_ids)
@@ -127,13 +128,22 @@ def test_route_kernel_matches_reference_and_ignores_the_batch(
     assert bool((ids[:, 1:] > ids[:, :-1]).all())  # ascending expert ids per token
     if renormalize:
         torch.testing.assert_close(weights.sum(-1), torch.ones(67), rtol=0, atol=1e-6)
+    # The pairs grouped by expert: stable, with each group's size.
+    flat = ids.reshape(-1)
+    expected_order = torch.argsort(flat, stable=True)
+    assert torch.equal(routing.order, expected_order)
+    assert torch.equal(routing.tokens, expected_order // top_k)
+    assert routing.counts == torch.bincount(flat, minlength=num_experts).tolist()
     for t in (0, 5, 66):  # a token alone, and inside other batches, routes bit-identically
         alone = moe_route(x[t : t + 1], router, top_k, renormalize)
         shifted = moe_route(x[t // 2 : t + 1], router, top_k, renormalize)
-        assert torch.equal(alone[0][0], ids[t]) and torch.equal(alone[1][0], weights[t])
-        assert torch.equal(shifted[0][-1], ids[t]) and torch.equal(shifted[1][-1], weights[t])
-    bf16_ids, _ = moe_route(x.bfloat16(), router, top_k, renormalize)
-    assert bf16_ids.shape == (67, top_k)
+        assert torch.equal(alone.expert_ids[0], ids[t]) and torch.equal(alone.weights[0], weights[t])
+        assert torch.equal(shifted.expert_ids[-1], ids[t]) and torch.equal(shifted.weights[-1], weights[t])
+    assert moe_route(x.bfloat16(), router, top_k, renormalize).expert_ids.shape == (67, top_k)
+    with cpu_ops.use_variant(None):  # without the library: the reference, grouped the same way
+        fallback = moe_route(x, router, top_k, renormalize)
+    assert torch.equal(fallback.expert_ids, ids) and torch.equal(fallback.order, routing.order)
+    assert torch.equal(fallback.tokens, routing.tokens) and fallback.counts == routing.counts
 
 
 def _sparse_blocks(model: torch.nn.Module) -> list[SparseMoeBlock]:
@@ -154,12 +164,14 @@ def test_a_token_alone_equals_it_in_any_batch(quantization: str, tiny_moe_factor
     g = torch.Generator().manual_seed(5)
     x = torch.randn(41, config.hidden_size, generator=g)
     route = moe_route(x, block.gate.weight, block.top_k, block.renormalize)
+    assert len(set(route.expert_ids.reshape(-1).tolist())) == 8  # every expert gets rows
     with torch.inference_mode():
         batched = block(x)
         for t in (0, 17, 40):
             for batch in (x[t : t + 1], x[t:], torch.cat([x[t : t + 1], x[:9]])):
                 alone = moe_route(batch, block.gate.weight, block.top_k, block.renormalize)
-                assert torch.equal(alone[0][0], route[0][t]) and torch.equal(alone[1][0], route[1][t])
+                assert torch.equal(alone.expert_ids[0], route.expert_ids[t])
+                assert torch.equal(alone.weights[0], route.weights[t])
                 got = block(batch)[0]
                 if quantization == "none":
                     torch.testing.assert_close(got, batched[t], rtol=1e-5, atol=1e-6)
@@ -173,7 +185,8 @@ def test_sparse_block_equals_a_per_token_reference(tiny_moe_factory) -> None:
     block = _sparse_blocks(model)[0]
     g = torch.Generator().manual_seed(6)
     x = torch.randn(23, config.hidden_size, generator=g)
-    ids, weights = moe_route(x, block.gate.weight, block.top_k, block.renormalize)
+    routing = moe_route(x, block.gate.weight, block.top_k, block.renormalize)
+    ids, weights = routing.expert_ids, routing.weights
     with torch.inference_mode():
         got = block(x)
         for t in range(x.shape[0]):

@@ -10,7 +10,7 @@ at a near-tie.
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -31,7 +31,7 @@ def _route_fn(lib: CpuLibrary) -> Any | None:
     if fn is None:
         fn = lib.handle.izh_moe_route_f32
         fn.restype = _INT
-        fn.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _I64, _INT, _P, _P, _INT]
+        fn.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _I64, _INT, _P, _P, _P, _P, _P, _INT]
         _BOUND[id(lib.handle)] = fn
     return fn
 
@@ -51,9 +51,24 @@ def moe_route_ref(x: Tensor, router_weight: Tensor, top_k: int, renormalize: boo
     return ids, weights
 
 
-def moe_route(x: Tensor, router_weight: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
-    """`moe_route_ref`'s contract, batch-invariant in C: x float32 or bfloat16 [T, hidden] (converted to
-    float32), router_weight float32 [E, hidden] contiguous."""
+class Routing(NamedTuple):
+    """One step's routing: per token its experts and weights, and the (token, slot) pairs by expert."""
+
+    expert_ids: Tensor
+    """int64 [T, k]: each token's experts, ascending."""
+    weights: Tensor
+    """float32 [T, k]: their routing weights."""
+    order: Tensor
+    """int64 [T * k]: the pairs (p = token * k + slot) grouped by expert, tokens ascending within one."""
+    tokens: Tensor
+    """int64 [T * k]: the token of each pair in `order` (order // k)."""
+    counts: list[int]
+    """Pairs per expert, in expert order (`order`'s groups)."""
+
+
+def moe_route(x: Tensor, router_weight: Tensor, top_k: int, renormalize: bool) -> Routing:
+    """`moe_route_ref`'s experts and weights, batch-invariant in C, with the pairs grouped by expert:
+    x float32 or bfloat16 [T, hidden] (routed in float32), router_weight float32 [E, hidden]."""
     fn = _route_fn(STATE.active or resolve())
     num_experts, hidden = router_weight.shape
     if (
@@ -67,14 +82,16 @@ def moe_route(x: Tensor, router_weight: Tensor, top_k: int, renormalize: bool) -
         or num_experts > MAX_EXPERTS
         or not 1 <= top_k <= num_experts
     ):
-        return moe_route_ref(x, router_weight, top_k, renormalize)
+        return _grouped(*moe_route_ref(x, router_weight, top_k, renormalize), num_experts)
     if x.dtype != torch.float32:
         x = x.float()
     if x.stride(1) != 1:
         x = x.contiguous()
     num_tokens = x.shape[0]
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32)
+    grouped = torch.empty(3, num_tokens * top_k, dtype=torch.int64)  # order, tokens, counts (room)
+    counts = torch.empty(num_experts, dtype=torch.int64)
     rc = fn(
         x.data_ptr(),
         x.stride(0),
@@ -86,8 +103,18 @@ def moe_route(x: Tensor, router_weight: Tensor, top_k: int, renormalize: bool) -
         int(renormalize),
         ids.data_ptr(),
         weights.data_ptr(),
+        grouped[0].data_ptr(),
+        grouped[1].data_ptr(),
+        counts.data_ptr(),
         torch.get_num_threads(),
     )
     if rc != 0:
         raise ValueError(f"moe_route failed (code {rc}) for {num_experts} experts, top {top_k}")
-    return ids.long(), weights
+    return Routing(ids, weights, grouped[0], grouped[1], counts.tolist())
+
+
+def _grouped(ids: Tensor, weights: Tensor, num_experts: int) -> Routing:
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return Routing(ids, weights, order, order // ids.shape[1], counts)

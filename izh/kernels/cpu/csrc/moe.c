@@ -27,7 +27,7 @@ static float dot_fixed(const float *x, const float *w, int64_t n) {
  * probabilities (ties to the lower expert id) -> divided by their sum when `renormalize` -> written in
  * ascending expert order, the order the caller adds the experts' outputs in. */
 static void route_row(const float *x, const float *w, int64_t hidden, int64_t E, int64_t k, int renormalize,
-                      int32_t *ids, float *weights) {
+                      int64_t *ids, float *weights) {
     float p[MOE_MAX_EXPERTS];
     float m = -INFINITY;
     for (int64_t e = 0; e < E; e++) {
@@ -55,22 +55,39 @@ static void route_row(const float *x, const float *w, int64_t hidden, int64_t E,
     int64_t j = 0;
     for (int64_t e = 0; e < E; e++) {
         if (!taken[e]) continue;
-        ids[j] = (int32_t)e;
+        ids[j] = e;
         weights[j] = renormalize ? p[e] / sum : p[e];
         j++;
     }
 }
 
-/* x: fp32 [T, hidden] with row stride xs; w: fp32 [E, hidden] contiguous; ids: int32 [T, k];
- * weights: fp32 [T, k]. Returns 0, or -1 when E or k is out of range. */
+/* x: fp32 [T, hidden] with row stride xs; w: fp32 [E, hidden] contiguous; ids: int64 [T, k]; weights: fp32
+ * [T, k]. Then the T * k pairs (pair p = token p / k, slot p % k) grouped by expert, stably (tokens
+ * ascending within an expert): order int64 [T * k] (the pairs), tokens int64 [T * k] (their tokens),
+ * counts int64 [E] (pairs per expert). Returns 0, or -1 when E or k is out of range. */
 int izh_moe_route_f32(const float *x, int64_t xs, const float *w, int64_t T, int64_t hidden, int64_t E,
-                      int64_t k, int renormalize, int32_t *ids, float *weights, int nt) {
+                      int64_t k, int renormalize, int64_t *ids, float *weights, int64_t *order, int64_t *tokens,
+                      int64_t *counts, int nt) {
     if (E < 1 || E > MOE_MAX_EXPERTS || k < 1 || k > E) return -1;
     if (nt <= 1 || T < 2 || T * E * hidden < PAR_MIN_ELEMS) {
         for (int64_t t = 0; t < T; t++) route_row(x + t * xs, w, hidden, E, k, renormalize, ids + t * k, weights + t * k);
     } else {
         _Pragma("omp parallel for num_threads(nt) schedule(static)") for (int64_t t = 0; t < T; t++)
             route_row(x + t * xs, w, hidden, E, k, renormalize, ids + t * k, weights + t * k);
+    }
+    /* A counting sort of the pairs by expert. */
+    int64_t start[MOE_MAX_EXPERTS];
+    for (int64_t e = 0; e < E; e++) counts[e] = 0;
+    for (int64_t p = 0; p < T * k; p++) counts[ids[p]]++;
+    int64_t at = 0;
+    for (int64_t e = 0; e < E; e++) {
+        start[e] = at;
+        at += counts[e];
+    }
+    for (int64_t p = 0; p < T * k; p++) {
+        const int64_t slot = start[ids[p]]++;
+        order[slot] = p;
+        tokens[slot] = p / k;
     }
     return 0;
 }
