@@ -192,6 +192,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--write-only", action="store_true", help="write the checkpoints and stop")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     streams = args.streams or [1, 8]
@@ -199,7 +201,11 @@ def main() -> None:
     from izh import LLM
 
     paths = {name: write_checkpoint(Path(args.folder) / name, spec) for name, spec in specs(args).items()}
-    engine = {"dtype": args.dtype, "quantization": "int4", "kv_cache_memory_bytes": 256 << 20}
+    if args.write_only:
+        return
+    engine: dict[str, Any] = {"dtype": args.dtype, "quantization": "int4", "kv_cache_memory_bytes": 256 << 20}
+    if args.threads:
+        engine["num_threads"] = args.threads
     engine |= {"enable_prefix_caching": False, "max_model_len": 1024}
     llms = {name: LLM(path, **engine) for name, path in paths.items()}
     sizes = {name: active_bytes(llm) for name, llm in llms.items()}
