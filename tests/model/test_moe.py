@@ -140,6 +140,11 @@ def test_route_kernel_matches_reference_and_ignores_the_batch(
         assert torch.equal(alone.expert_ids[0], ids[t]) and torch.equal(alone.weights[0], weights[t])
         assert torch.equal(shifted.expert_ids[-1], ids[t]) and torch.equal(shifted.weights[-1], weights[t])
     assert moe_route(x.bfloat16(), router, top_k, renormalize).expert_ids.shape == (67, top_k)
+    for variant in cpu_ops.runnable_variants():  # every instruction-set build routes alike
+        with cpu_ops.use_variant(variant):
+            other = moe_route(x, router, top_k, renormalize)
+        assert torch.equal(other.expert_ids, ids) and torch.equal(other.order, routing.order)
+        torch.testing.assert_close(other.weights, weights, rtol=1e-5, atol=1e-6)
     with cpu_ops.use_variant(None):  # without the library: the reference, grouped the same way
         fallback = moe_route(x, router, top_k, renormalize)
     assert torch.equal(fallback.expert_ids, ids) and torch.equal(fallback.order, routing.order)
