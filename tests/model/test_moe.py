@@ -316,3 +316,22 @@ def test_mixtral_gguf_matches_transformers_on_its_dequantized_weights(
     assert config.architecture == "mixtral"
     reference = _dequantized_mixtral_folder(path, tiny_moe_factory("mixtral"), tmp_path / "dequantized")
     _check_logits(ours, _hf(reference), [tiny_tokenizer.encode(p).ids for p in PROMPTS])
+
+
+def test_bfloat16_runs_close_to_float32(tiny_moe_factory, tiny_tokenizer) -> None:
+    """bfloat16 activations (the router still float32), dense and with packed experts (records up to their
+    row limit, the dense bfloat16 weights above it)."""
+    path = tiny_moe_factory("qwen3moe")
+    prompts = [tiny_tokenizer.encode(p).ids for p in PROMPTS]
+    ref = _prefill(load_model(path, dtype=torch.float32)[0], prompts)
+    bf16, _ = load_model(path, dtype=torch.bfloat16)
+    for block in _sparse_blocks(bf16):
+        assert block.gate.weight.dtype == torch.float32
+    got = _prefill(bf16, prompts)
+    # As the dense Qwen3's bf16 check (test_parity): a broken path is far off these bounds.
+    assert (got - ref).abs().mean().item() < 0.1
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.85
+    if cpu_ops.qgemm_available():
+        pack_model_weights(cast(MoeForCausalLM, bf16), "int8", {}, requested="int8")
+        packed = _prefill(bf16, prompts)
+        assert (packed.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.8
