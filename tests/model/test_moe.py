@@ -18,27 +18,20 @@ from transformers import AutoModelForCausalLM
 from izh.errors import ModelLoadError
 from izh.kernels import cpu as cpu_ops
 from izh.kernels.cpu.moe import moe_route, moe_route_ref
-from izh.model import AttentionMetadata, load_model
+from izh.model import load_model
 from izh.model.loader import checkpoint_quant_types, load_model_config
 from izh.model.moe import MoeForCausalLM, SparseMoeBlock
 from izh.model.packed import Q4Records, Q8Records
 from izh.model.packing import pack_model_weights
 from izh.model.parallel import check_tensor_parallel
 from tests.fixtures.checkpoints import llama_cpp_permute
+from tests.model.test_parity import _flat_prefill as _prefill
 
 KINDS = ["qwen3moe", "mixtral", "qwen3moe_dense1"]
 PROMPTS = [
     "Hello world, the model is here.",
     "The engine server made a request with 12345 tokens, and then it said hello again!",
 ]
-
-
-def _prefill(model: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:
-    flat = torch.tensor([t for p in prompts for t in p])
-    positions = torch.cat([torch.arange(len(p)) for p in prompts])
-    meta = AttentionMetadata.for_prefill([len(p) for p in prompts])
-    with torch.inference_mode():
-        return model.compute_logits(model(flat, positions, meta))
 
 
 def _check_logits(ours: torch.nn.Module, hf: torch.nn.Module, prompts: list[list[int]]) -> None:
