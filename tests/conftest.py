@@ -187,3 +187,38 @@ def tiny_idefics3_dir(tiny_checkpoints_root: Path) -> str:
 
     _set_torch_threads()
     return build_tiny_idefics3(tiny_checkpoints_root / "idefics3")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_factory(tiny_checkpoints_root: Path, tiny_tokenizer: Tokenizer) -> Callable[[str], str]:
+    """kind ("qwen3moe" | "mixtral" | "qwen3moe_dense1", tests/fixtures/moe.py) -> that tiny
+    mixture-of-experts HF folder (built once)."""
+    from tests.fixtures.moe import build_tiny_moe_checkpoint
+
+    _set_torch_threads()
+    built: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in built:
+            built[kind] = build_tiny_moe_checkpoint(tiny_checkpoints_root / kind, kind, tiny_tokenizer)
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_gguf_factory(
+    tiny_moe_factory: Callable[[str], str], tiny_checkpoints_root: Path
+) -> Callable[..., str]:
+    """(kind, qtype="Q8_0") -> the GGUF conversion of that tiny MoE folder (3-D expert tensors)."""
+    from tests.fixtures.moe import build_moe_gguf
+
+    built: dict[tuple[str, str], str] = {}
+
+    def get(kind: str, qtype: str = "Q8_0") -> str:
+        if (kind, qtype) not in built:
+            out = tiny_checkpoints_root / f"{kind}-{qtype}.gguf"
+            built[kind, qtype] = build_moe_gguf(tiny_moe_factory(kind), out, qtype)
+        return built[kind, qtype]
+
+    return get

@@ -26,7 +26,11 @@ _HF_ARCH_TO_TYPE = {
     "Gemma3ForCausalLM": "gemma3",
     "MistralForCausalLM": "mistral",
     "Phi3ForCausalLM": "phi3",
+    # mixture of experts
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "MixtralForCausalLM": "mixtral",
 }
+MOE_ARCHITECTURES = ("qwen3moe", "mixtral")
 
 GEMMA_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
 
@@ -64,6 +68,30 @@ class VisionConfig:
             )
         except (TypeError, ValueError) as e:
             raise ModelLoadError(f"config.json's vision_config is malformed: {e}") from e
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """The sparse MLP blocks of a mixture-of-experts model (izh.model.moe)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    """Divide the top-k routing weights by their sum (always for Mixtral; Qwen3-MoE's config says)."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers whose MLP is dense (`intermediate_size`) instead of sparse: Qwen3-MoE's mlp_only_layers
+    and the layers decoder_sparse_step skips."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and num_experts "
+                f"({self.num_experts})"
+            )
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +140,8 @@ class ModelConfig:
     """Attention scores become cap * tanh(score / cap) when set (Gemma 2)."""
     final_logit_softcapping: float = 0.0
     """Logits become cap * tanh(logit / cap) when set (Gemma 2)."""
+    moe: MoeConfig | None = None
+    """A mixture-of-experts model's routing and expert shape (Qwen3-MoE, Mixtral); None when dense."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -162,7 +192,8 @@ class ModelConfig:
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=True if architecture == "qwen2" else bool(d.get("attention_bias", False)),
-                qk_norm=architecture == "qwen3",
+                qk_norm=architecture in ("qwen3", "qwen3moe"),
+                moe=_hf_moe(d, architecture),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks the required field {e.args[0]!r}") from e
@@ -310,7 +341,7 @@ class ModelConfig:
         if vocab_size is None:
             raise ModelLoadError(f"GGUF file has neither {arch}.vocab_size nor a token_embd.weight tensor")
         config = cls(
-            architecture=arch,
+            architecture="mixtral" if arch == "llama" and metadata.get("llama.expert_count") else arch,
             vocab_size=int(vocab_size),
             hidden_size=hidden_size,
             intermediate_size=int(get("feed_forward_length")),
@@ -325,6 +356,7 @@ class ModelConfig:
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
             qk_norm="blk.0.attn_q_norm.weight" in names,
+            moe=_gguf_moe(metadata, arch, get, names),
         )
         if arch in GEMMA_ARCHITECTURES:
             return _gguf_gemma(config, metadata)
@@ -413,6 +445,55 @@ def _reject_unsupported_hf_features(d: Mapping[str, Any]) -> None:
         raise UnsupportedModel("use_sliding_window=true is not supported")
     if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UnsupportedModel("partial_rotary_factor != 1 is not supported")
+
+
+def _hf_moe(d: Mapping[str, Any], architecture: str) -> MoeConfig | None:
+    """A Qwen3-MoE or Mixtral config.json's experts (None for a dense architecture)."""
+    if architecture not in MOE_ARCHITECTURES:
+        return None
+    num_layers = int(d["num_hidden_layers"])
+    if architecture == "mixtral":
+        window = d.get("sliding_window")
+        if window is not None and int(window) < int(d.get("max_position_embeddings", 2048)):
+            raise ModelLoadError("a Mixtral sliding_window shorter than the context is not supported")
+        return MoeConfig(
+            num_experts=int(d.get("num_local_experts", 8)),
+            num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),
+            expert_intermediate_size=int(d["intermediate_size"]),
+            norm_topk_prob=True,
+        )
+    step = int(d.get("decoder_sparse_step", 1))
+    mlp_only = {int(i) for i in d.get("mlp_only_layers") or ()}
+    num_experts = int(d.get("num_experts", 128))
+    dense = tuple(
+        i for i in range(num_layers) if i in mlp_only or num_experts == 0 or step < 1 or (i + 1) % step
+    )
+    return MoeConfig(
+        num_experts=num_experts,
+        num_experts_per_tok=int(d.get("num_experts_per_tok", 8)),
+        expert_intermediate_size=int(d.get("moe_intermediate_size", 768)),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        dense_layers=dense,
+    )
+
+
+def _gguf_moe(metadata: Mapping[str, Any], arch: str, get: Any, names: set[str]) -> MoeConfig | None:
+    """A GGUF file's experts: qwen3moe, or llama with expert_count (Mixtral). llama.cpp always
+    renormalizes the top-k weights of both (as transformers' GGUF loader sets norm_topk_prob); a layer
+    without a router tensor (ffn_gate_inp) is dense."""
+    num_experts = int(metadata.get(f"{arch}.expert_count") or 0)
+    if arch not in ("qwen3moe", "llama") or num_experts == 0:
+        return None
+    expert_size = metadata.get(f"{arch}.expert_feed_forward_length") or get("feed_forward_length")
+    return MoeConfig(
+        num_experts=num_experts,
+        num_experts_per_tok=int(get("expert_used_count")),
+        expert_intermediate_size=int(expert_size),
+        norm_topk_prob=True,
+        dense_layers=tuple(
+            i for i in range(int(get("block_count"))) if f"blk.{i}.ffn_gate_inp.weight" not in names
+        ),
+    )
 
 
 def _hf_rope(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -18,7 +18,7 @@ from izh.model.gguf_file import GGUFFile, GGUFTensorInfo
 from izh.model.weights import CheckpointTensor
 
 # Architectures whose attn_q / attn_k rows llama.cpp's convert_hf_to_gguf permutes for its RoPE layout.
-_PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
+_PERMUTED_QK_ARCHITECTURES = frozenset({"llama", "mixtral"})
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -37,6 +37,7 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture-of-experts router
 }
 # Gemma's four norms per layer: llama.cpp's ffn_norm is the pre-feedforward norm there.
 _GEMMA_BLOCK_NAMES = {
@@ -48,6 +49,8 @@ _GEMMA_BLOCK_NAMES = {
 # Phi-3: fused q/k/v, and ffn_up holding gate and up (split by izh.model.phi3 after renaming).
 _PHI3_BLOCK_NAMES = {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES, "phi3": _PHI3_BLOCK_NAMES}
+# A mixture of experts' 3-D tensors [num_experts, out, in]: one transformers tensor per expert.
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
@@ -99,6 +102,25 @@ def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     if m is None or m.group(2) not in block_names:
         return None
     return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
+
+
+def expert_names(gguf_name: str, num_experts: int) -> list[str] | None:
+    """transformers' per-expert names of a GGUF expert tensor (`blk.N.ffn_gate_exps.weight` ->
+    `model.layers.N.mlp.experts.E.gate_proj.weight` for E in order); None for any other tensor."""
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _EXPERT_NAMES:
+        return None
+    projection = _EXPERT_NAMES[m.group(2)]
+    return [
+        f"model.layers.{m.group(1)}.mlp.experts.{e}.{projection}.{m.group(3)}" for e in range(num_experts)
+    ]
+
+
+def dequantize_expert(file: GGUFFile, info: GGUFTensorInfo, expert: int) -> Tensor:
+    """Expert `expert`'s [out, in] matrix of a 3-D expert tensor, dequantizing only its bytes."""
+    _, out_features, in_features = info.shape
+    raw = np.ascontiguousarray(file.raw(info)[expert])
+    return _to_tensor(_dequantize(raw, info, (out_features, in_features), 0))
 
 
 def dequantize(file: GGUFFile, info: GGUFTensorInfo, *, unpermute_heads: int = 0) -> Tensor:
@@ -168,6 +190,8 @@ def quantized_tensor_types(file: GGUFFile) -> dict[str, str]:
     types = {}
     architecture = str(file.metadata.get("general.architecture", "llama"))
     for t in file.tensors:
+        if t.ggml_type.name not in _FLOAT_TYPES and len(t.shape) == 3:
+            types.update(dict.fromkeys(expert_names(t.name, t.shape[0]) or [], t.ggml_type.name))
         name = hf_name(t.name, architecture)
         if name is not None and t.ggml_type.name not in _FLOAT_TYPES:
             types[name] = t.ggml_type.name
@@ -181,6 +205,10 @@ def gguf_checkpoint_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[Che
     for t in file.tensors:
         if t.name == ROPE_FREQS_TENSOR or t.name in LONGROPE_TENSORS:
             continue  # folded into ModelConfig.rope_scaling
+        experts = expert_names(t.name, t.shape[0]) if len(t.shape) == 3 else None
+        if experts is not None:
+            yield from _expert_tensors(file, t, experts)
+            continue
         name = hf_name(t.name, config.architecture)
         heads = 0
         if permuted and name is not None:
@@ -204,7 +232,7 @@ def block_weights(file: GGUFFile, config: ModelConfig, names: set[str]) -> dict[
     permuted = config.architecture in _PERMUTED_QK_ARCHITECTURES
     found = {}
     for t in file.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, config.architecture)
         if name is None or name not in names or len(t.shape) != 2 or t.ggml_type.name not in GGUF_BLOCK_TYPES:
             continue
         raw = file.raw(t)
@@ -216,6 +244,21 @@ def block_weights(file: GGUFFile, config: ModelConfig, names: set[str]) -> dict[
         blocks = unpermute_qk(raw, heads) if heads else np.array(raw)  # a copy: the file is closed after load
         found[name] = (t.ggml_type.name, torch.from_numpy(blocks))
     return found
+
+
+def _expert_tensors(file: GGUFFile, info: GGUFTensorInfo, names: list[str]) -> Iterator[CheckpointTensor]:
+    """One checkpoint tensor per expert of a 3-D expert tensor, each read alone."""
+    for expert, name in enumerate(names):
+        yield CheckpointTensor(
+            name=name,
+            shape=tuple(info.shape[1:]),
+            source=f"GGUF tensor {info.name}[{expert}]",
+            read=_expert_reader(file, info, expert),
+        )
+
+
+def _expert_reader(file: GGUFFile, info: GGUFTensorInfo, expert: int) -> Callable[[], Tensor]:
+    return lambda: dequantize_expert(file, info, expert)
 
 
 def _reader(file: GGUFFile, info: GGUFTensorInfo, unpermute_heads: int) -> Callable[[], Tensor]:

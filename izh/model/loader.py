@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -120,6 +121,8 @@ def load_model(
                 tensors = list(gemma_checkpoint_tensors(tensors))
             if config.architecture == "phi3":
                 tensors = list(phi3_checkpoint_tensors(tensors, config))
+            if config.architecture == "mixtral":
+                tensors = _mixtral_tensors(tensors)
         get_model_class(config.architecture)
         if tp is not None and tp.world_size > 1:
             parallel.check_tensor_parallel(config, tp.world_size)
@@ -176,6 +179,27 @@ def _vlm_tensors(tensors: list[CheckpointTensor]) -> list[CheckpointTensor]:
     for t in tensors:
         name = Idefics3ForConditionalGeneration.checkpoint_name(t.name) or t.name
         renamed.append(CheckpointTensor(name=name, shape=t.shape, source=t.source, read=t.read))
+    return renamed
+
+
+_MIXTRAL_RENAMES = (
+    (".block_sparse_moe.", ".mlp."),
+    (".w1.", ".gate_proj."),
+    (".w3.", ".up_proj."),
+    (".w2.", ".down_proj."),
+)
+
+
+def _mixtral_tensors(tensors: list[CheckpointTensor]) -> list[CheckpointTensor]:
+    """A Mixtral checkpoint under izh's MoE names (izh.model.moe): `block_sparse_moe.` -> `mlp.`, the
+    experts' w1 / w3 / w2 -> gate_proj / up_proj / down_proj (transformers renames them the same way)."""
+    renamed = []
+    for t in tensors:
+        name = t.name
+        if ".block_sparse_moe." in name:
+            for old, new in _MIXTRAL_RENAMES:
+                name = name.replace(old, new)
+        renamed.append(replace(t, name=name))
     return renamed
 
 

@@ -170,6 +170,11 @@ def check_tensor_parallel(config: ModelConfig, world_size: int) -> None:
             f"tensor_parallel_size {world_size}: the vision encoder of {config.architecture} is not split "
             "across ranks; serve this vision-language model with --tensor-parallel-size 1"
         )
+    if config.moe is not None:
+        raise ModelLoadError(
+            f"tensor_parallel_size {world_size}: the experts of {config.architecture} are not split across "
+            "ranks; serve this mixture-of-experts model with --tensor-parallel-size 1"
+        )
     problems = [
         f"{name} {value}"
         for name, value in (

@@ -15,6 +15,7 @@ from izh.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from izh.model.idefics3 import Idefics3ForConditionalGeneration
 from izh.model.llama import LlamaForCausalLM
 from izh.model.mistral import MistralForCausalLM
+from izh.model.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from izh.model.phi3 import Phi3ForCausalLM
 from izh.model.qwen2 import Qwen2ForCausalLM
 from izh.model.qwen3 import Qwen3ForCausalLM
@@ -53,6 +54,12 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM] | type[BertModel]] = {
     "gemma3": Gemma3ForCausalLM,
     "mistral": MistralForCausalLM,
     "phi3": Phi3ForCausalLM,
+    # Mixture of experts (izh.model.moe). GGUF: qwen3moe; a Mixtral GGUF is "llama" with experts, which
+    # ModelConfig names "mixtral".
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "qwen3moe": Qwen3MoeForCausalLM,
+    "mixtral": MixtralForCausalLM,
 }
 
 
