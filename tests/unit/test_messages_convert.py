@@ -199,3 +199,23 @@ def test_count_tokens_takes_no_sampling_fields() -> None:
     )
     chat = chat_request(body, reasoning=False)
     assert chat.max_tokens is None and chat.tools is not None
+
+
+def test_the_guard_bounds_messages_bodies_naming_their_fields() -> None:
+    from izh.api.guard.limits import RequestLimits
+    from izh.errors import LimitExceeded
+    from izh.settings import LimitSettings
+
+    limits = RequestLimits(LimitSettings(max_stop=2, max_tools=1, max_messages=2), max_model_len=1024)
+    check = limits.checker("/v1/messages")
+    assert check is not None and limits.checker("/v1/messages/count_tokens") is not None
+    base: dict[str, Any] = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
+    check(base)
+    for fields, param in (
+        ({"stop_sequences": ["a", "b", "c"]}, "stop_sequences"),
+        ({"tools": [TOOL, TOOL]}, "tools"),
+        ({"messages": [{"role": "user", "content": "x"}] * 3}, "messages"),
+    ):
+        with pytest.raises(LimitExceeded) as refused:
+            check({**base, **fields})
+        assert refused.value.param == param
