@@ -37,6 +37,7 @@ from izh.api.chat_stream import chat_events
 from izh.api.constraints import (
     Constraint,
     answer_constraint,
+    auto_tool_constraint,
     effective_tool_choice,
     requested_constraints,
     single_constraint,
@@ -56,6 +57,7 @@ from izh.api.state import (
     request_id_of,
 )
 from izh.errors import InvalidRequest
+from izh.parsers.hermes import HermesToolParser
 from izh.parsers.reasoning import prompt_ends_in_reasoning
 from izh.sampling_params import MAX_LOGPROBS
 
@@ -147,6 +149,11 @@ async def prepare_chat(
         ctx.model = lora_name
     ctx.tool_parser = chat_tool_parser(state, tool_choice, tools_on, prompt)
     ctx.forced_tool_calls = tool_constraint is not None
+    if ctx.tool_parser is not None and tool_choice == "auto":
+        ctx.loose_tool_names = frozenset(tool.function.name for tool in body.tools or [])
+        # Hermes calls can be held well-formed while leaving text free; another constraint wins.
+        if constraint is None and ctx.tool_parser is HermesToolParser:
+            constraint = auto_tool_constraint(body)
     ctx.max_tool_calls = 1 if body.parallel_tool_calls is False else None
     if constraint is not None:
         constraint = await answer_constraint(
