@@ -288,7 +288,7 @@ def configure_logging(level: str, json_format: bool) -> None:
                 "logger": record.name,
                 "message": record.getMessage(),
             }
-            # Structured fields (izh.api.request_log passes them as `extra={"fields": {...}}`).
+            # Structured fields (izh.api.ops.request_log passes them as `extra={"fields": {...}}`).
             fields = getattr(record, "fields", None)
             if isinstance(fields, dict):
                 entry.update((key, value) for key, value in fields.items() if key not in entry)

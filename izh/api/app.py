@@ -1,9 +1,9 @@
 """build_app: the FastAPI app around a started AsyncLLM, and the registration of its routes.
 
-The jobs live beside it: izh.api.guard (the request guard middleware: keys, body bounds and limits,
-rate limits, request ids), izh.api.errors (THE exception → OpenAI error mapping, registered here as
-the app's exception handler), izh.api.ops (health, readiness, version, metrics, stats, the OpenAPI
-document) and the OpenAI routes (izh.api.chat, completions, models, tokenize). Draining is the
+The jobs live beside it: izh.api.guard.middleware (the request guard middleware: keys, body bounds and limits,
+rate limits, request ids), izh.api.common.errors (THE exception → OpenAI error mapping, registered here as
+the app's exception handler), izh.api.ops.routes (health, readiness, version, metrics, stats, the OpenAPI
+document) and the OpenAI routes (izh.api.chat.routes, completions, models, tokenize). Draining is the
 caller's: set `app.state.draining = True` (on SIGTERM) and new generation requests get 503 and /ready
 turns red while in-flight ones finish; then `await llm.shutdown(drain_timeout_s)`.
 """
@@ -20,23 +20,27 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 import izh
-from izh.api import chat, completions, embeddings, lora, models, responses, tokenize
-from izh.api.errors import HANDLED_EXCEPTIONS, handle_exception
-from izh.api.guard import (
+from izh.api.chat import routes as chat
+from izh.api.common.errors import HANDLED_EXCEPTIONS, handle_exception
+from izh.api.common.sampling import sampling_defaults
+from izh.api.common.state import ApiState
+from izh.api.completions import routes as completions
+from izh.api.embeddings import routes as embeddings
+from izh.api.guard.limits import RequestLimits
+from izh.api.guard.middleware import (
     PUBLIC_PATHS,
     GuardPolicy,
     KeyRing,
     RequestGuardMiddleware,
     build_rate_limiter,
 )
-from izh.api.limits import RequestLimits
-from izh.api.metrics import PrometheusStatLogger
-from izh.api.ops import OPS_ROUTES, openapi_schema
-from izh.api.request_log import RequestLogger
-from izh.api.responses_store import ResponseStore
-from izh.api.sampling import sampling_defaults
-from izh.api.state import ApiState
-from izh.api.webui import register_web_ui
+from izh.api.ops import lora, models, tokenize
+from izh.api.ops.metrics import PrometheusStatLogger
+from izh.api.ops.request_log import RequestLogger
+from izh.api.ops.routes import OPS_ROUTES, openapi_schema
+from izh.api.responses import routes as responses
+from izh.api.responses.store import ResponseStore
+from izh.api.webui.routes import register_web_ui
 from izh.parsers.reasoning import resolve_reasoning_parser
 from izh.parsers.tools import select_tool_parser
 from izh.settings import LimitSettings, RateLimitSettings, ServerSettings
@@ -82,10 +86,10 @@ def build_app(
     `metrics_require_auth`) needs one of them; with `cache_salt_per_key` each key also gets its own
     prefix-cache namespace. `limits` bound each request (default: the `[limits]` defaults, but
     trusting request chat templates, as a library caller vouches for its clients; `izh serve`
-    passes the settings). `rate_limits` are per key id (see izh.api.ratelimit). CORS is on only
+    passes the settings). `rate_limits` are per key id (see izh.api.guard.ratelimit). CORS is on only
     with `allowed_origins`. `server.responses_store_max` bounds the stored responses of /v1/responses
     (least recently used evicted). With `server.web_ui`, the chat page (/) and the dashboard
-    (/dashboard) are served, public, from izh.api.webui. Raises ValueError for an unknown
+    (/dashboard) are served, public, from izh.api.webui.routes. Raises ValueError for an unknown
     `reasoning_parser` or `tool_call_parser`, or two keys with the same id.
 
     `api_index`: this app is API process `api_index` of several (`izh serve --api-server-count`):

@@ -276,7 +276,7 @@ class FakeServer:
         }
         if self.config.stats_shape == "flat":
             return {**scheduler, "kv_block_states": states}
-        # izh's shape (izh.api.ops.izh_stats)
+        # izh's shape (izh.api.ops.routes.izh_stats)
         return {
             "model": self.config.model,
             "max_model_len": 4096,

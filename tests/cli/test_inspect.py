@@ -156,7 +156,7 @@ def test_llamacpp_adapter_and_rates_between_scrapes() -> None:
 
 def test_izh_adapter_on_izh_exporter_text() -> None:
     """The text izh's own PrometheusStatLogger writes parses with the izh adapter."""
-    from izh.api.metrics import PrometheusStatLogger
+    from izh.api.ops.metrics import PrometheusStatLogger
     from izh.frontend.stats import RequestMetrics
     from izh.protocol import SchedulerStats
 

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from izh.api.tokenize import TOKENIZER_CLASS, describe_tokenizer
+from izh.api.ops.tokenize import TOKENIZER_CLASS, describe_tokenizer
 from izh.config import EngineConfig
 from izh.tokenizer import load_tokenizer
 from izh.tokenizer.gguf_metadata import read_gguf_metadata

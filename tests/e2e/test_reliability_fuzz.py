@@ -13,7 +13,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.core.result import Ok
 
-from izh.api.webui import WEBUI_ROUTES
+from izh.api.webui.routes import WEBUI_ROUTES
 from izh.config import EngineConfig
 from izh.settings import LimitSettings
 from tests.e2e.api_server import ApiServer, api_server

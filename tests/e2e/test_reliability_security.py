@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from izh.api.ratelimit import api_key_id
+from izh.api.guard.ratelimit import api_key_id
 from izh.config import EngineConfig
 from izh.settings import LimitSettings, RateLimitSettings
 from tests.e2e.api_server import ApiServer, api_server

@@ -1,4 +1,4 @@
-"""The web UI's routes over HTTP (izh.api.webui), on a real server over the FakeEngineCore: the pages
+"""The web UI's routes over HTTP (izh.api.webui.routes), on a real server over the FakeEngineCore: the pages
 and their files are public while the API behind them needs the key, each is served with its content
 type, an ETag that turns a reload into a 304, gzip, and a CSP on the pages; `web_ui=False` serves
 none of them."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from izh.api.webui import CONTENT_SECURITY_POLICY, load_assets
+from izh.api.webui.routes import CONTENT_SECURITY_POLICY, load_assets
 from izh.config import EngineConfig
 from tests.e2e.api_server import ApiServer, api_server
 from tests.engine.fake_core import make_fake_model

@@ -15,28 +15,30 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from izh.api.chat_choices import ChoiceParsers
-from izh.api.chat_prompt import supports_tools, template_messages, with_tools_prompt
-from izh.api.chat_stream import stream_deltas
-from izh.api.constraints import (
+from izh.api.chat.choices import ChoiceParsers
+from izh.api.chat.prompt import supports_tools, template_messages, with_tools_prompt
+from izh.api.chat.stream import stream_deltas
+from izh.api.common.chat_protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatMessageParam,
+    ChatStreamChoice,
+    DeltaMessage,
+    NamedToolChoice,
+)
+from izh.api.common.constraints import (
     Constraint,
     answer_only,
     rename_lark_rule,
     requested_constraints,
     single_constraint,
 )
-from izh.api.errors import to_izh_error
-from izh.api.protocol import (
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatMessageParam,
-    ChatStreamChoice,
+from izh.api.common.errors import to_izh_error
+from izh.api.common.protocol import (
     CompletionRequest,
-    DeltaMessage,
-    NamedToolChoice,
     parse_body,
 )
-from izh.api.sampling import build_sampling_params, resolve_max_tokens, sampling_defaults
+from izh.api.common.sampling import build_sampling_params, resolve_max_tokens, sampling_defaults
 from izh.errors import InvalidRequest, IzhError, ModelNotFound, PayloadTooLarge
 from izh.guided_spec import compile_grammar, validate_spec
 from izh.parsers.hermes import HermesToolParser
@@ -288,7 +290,7 @@ def test_izh_error_envelope_has_the_openai_shape() -> None:
 
 
 def _guarded(app: Any, **kwargs: Any) -> httpx.AsyncClient:
-    from izh.api.guard import RequestGuardMiddleware
+    from izh.api.guard.middleware import RequestGuardMiddleware
 
     options: dict[str, Any] = {"api_keys": [], "public_paths": frozenset({"/health"}), "max_body_bytes": 100}
     guard = RequestGuardMiddleware(app, **{**options, **kwargs})

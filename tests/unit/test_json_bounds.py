@@ -10,7 +10,7 @@ from typing import Any
 import llguidance
 import pytest
 
-from izh.api.constraints import Constraint, answer_only
+from izh.api.common.constraints import Constraint, answer_only
 from izh.guided_spec import (
     MAX_EXPONENT_DIGITS,
     MAX_INTEGER_DIGITS,

@@ -1,4 +1,4 @@
-"""Request limits on raw JSON (izh.api.limits), and property-based tests of the request models:
+"""Request limits on raw JSON (izh.api.guard.limits), and property-based tests of the request models:
 whatever a client sends, the answer is a 400 naming a field or the limit, never a crash."""
 
 from __future__ import annotations
@@ -13,16 +13,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.requests import Request
 
-from izh.api.errors import to_izh_error
-from izh.api.limits import NOT_JSON, RequestLimits, json_depth, load_json, parse_json
-from izh.api.protocol import (
-    PARSED_BODY,
+from izh.api.common.chat_protocol import (
     ChatCompletionRequest,
+)
+from izh.api.common.errors import to_izh_error
+from izh.api.common.protocol import (
+    PARSED_BODY,
     CompletionRequest,
-    DetokenizeRequest,
     ParsedBody,
-    TokenizeRequest,
     parse_body,
+)
+from izh.api.guard.limits import NOT_JSON, RequestLimits, json_depth, load_json, parse_json
+from izh.api.ops.protocol import (
+    DetokenizeRequest,
+    TokenizeRequest,
 )
 from izh.errors import InvalidRequest, IzhError, LimitExceeded
 from izh.settings import LimitSettings
@@ -324,8 +328,8 @@ def test_behind_the_guard_a_route_validates_the_parsed_body_without_reading_it_a
 ) -> None:
     import httpx
 
-    from izh.api import protocol
-    from izh.api.guard import RequestGuardMiddleware
+    from izh.api.common import protocol
+    from izh.api.guard.middleware import RequestGuardMiddleware
 
     async def route(scope: Any, receive: Any, send: Any) -> None:
         try:

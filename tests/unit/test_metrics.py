@@ -6,7 +6,7 @@ import re
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from izh.api.metrics import (
+from izh.api.ops.metrics import (
     REQUEST_LATENCY_BUCKETS,
     TOKEN_LATENCY_BUCKETS,
     TTFT_BUCKETS,

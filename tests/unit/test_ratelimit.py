@@ -1,4 +1,4 @@
-"""Per-key token buckets and concurrency (izh.api.ratelimit), on a fake clock: exact levels, waits,
+"""Per-key token buckets and concurrency (izh.api.guard.ratelimit), on a fake clock: exact levels, waits,
 debt and refunds, and no state shared between keys."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import hashlib
 
 import pytest
 
-from izh.api.ratelimit import (
+from izh.api.guard.ratelimit import (
     RateLimiter,
     TokenBucket,
     api_key_cache_salt,

@@ -11,12 +11,12 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from izh.api.chat_choices import ChatContext
-from izh.api.fanout import UsageCounter
-from izh.api.responses_items import items_to_messages, normalize_input
-from izh.api.responses_protocol import ResponseObject
-from izh.api.responses_store import ResponseStore, StoredResponse
-from izh.api.responses_stream import OutputBuilder, ResponseContext
+from izh.api.chat.choices import ChatContext
+from izh.api.common.fanout import UsageCounter
+from izh.api.responses.items import items_to_messages, normalize_input
+from izh.api.responses.protocol import ResponseObject
+from izh.api.responses.store import ResponseStore, StoredResponse
+from izh.api.responses.stream import OutputBuilder, ResponseContext
 from izh.errors import EngineDead, InvalidRequest
 from izh.frontend.output_processor import RequestOutput
 from izh.parsers.hermes import HermesToolParser

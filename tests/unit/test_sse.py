@@ -8,7 +8,15 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from izh.api.sse import DONE, KEEPALIVE, SSEResponse, data_event, error_event, sse_stream, with_keepalive
+from izh.api.common.sse import (
+    DONE,
+    KEEPALIVE,
+    SSEResponse,
+    data_event,
+    error_event,
+    sse_stream,
+    with_keepalive,
+)
 from izh.errors import ContextLengthExceeded, Overloaded
 
 

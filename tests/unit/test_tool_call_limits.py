@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from izh.api.chat_choices import ChoiceParsers
+from izh.api.chat.choices import ChoiceParsers
 from izh.parsers.hermes import HermesToolParser
 from izh.parsers.llama3 import Llama3JsonToolParser
 from izh.parsers.tool_calls import ContentDelta, Delta, ToolCallDelta, ToolParser, collect

@@ -1,4 +1,4 @@
-"""The web UI's shipped files (izh/api/webui_static/): under the size budget the README states, all
+"""The web UI's shipped files (izh/api/webui/static/): under the size budget the README states, all
 packaged, self-contained (nothing from another origin, nothing for a build step) and fit for the
 pages' Content-Security-Policy (no inline script, style or event handler)."""
 
@@ -10,7 +10,7 @@ import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 
-from izh.api.webui import PAGES, STATIC_FOLDER, load_assets
+from izh.api.webui.routes import PAGES, STATIC_FOLDER, load_assets
 
 REPO = Path(__file__).resolve().parents[2]
 BUDGET_BYTES = 300 * 1024
@@ -26,8 +26,8 @@ def test_the_web_ui_stays_under_its_size_budget() -> None:
 
 def test_every_file_is_package_data() -> None:
     package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    patterns = package_data["izh.api"]
-    folder = REPO / "izh" / "api" / STATIC_FOLDER
+    patterns = package_data["izh.api.webui"]
+    folder = REPO / "izh" / "api" / "webui" / STATIC_FOLDER
     files = sorted(path.name for path in folder.iterdir() if path.is_file())
     assert files and sorted(load_assets()) == files
     for name in files:
