@@ -46,11 +46,12 @@ from izh.api.responses.protocol import (
     ResponseObject,
     ResponsesRequest,
 )
+from izh.api.responses.reasoning import ENCRYPTED_CONTENT_INCLUDE
 from izh.api.responses.store import StoredResponse
 from izh.api.responses.stream import ResponseContext, collect_response, response_events
+from izh.api.responses.tools import SKIPPED_TOOLS_HEADER, responses_tools
 from izh.api.responses.translate import (
     chat_request,
-    chat_tools,
     check_responses_request,
     image_part_param,
     renamed,
@@ -89,17 +90,18 @@ async def create_response(request: Request) -> Response:
     conversation: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         conversation = list(_stored(state, body.previous_response_id, "previous_response_id").conversation)
-    input_items = normalize_input(body.input)
+    input_items = normalize_input(body.input, state.reasoning_seal.open)
     conversation += input_items
     messages = items_to_messages(conversation)
     if body.instructions:
         messages.insert(0, ChatMessageParam(role="system", content=body.instructions))
     if not messages:
         raise InvalidRequest("input must not be empty", param="input")
-    tools, echoed_tools = chat_tools(body.tools)
+    request_id = request_id_of(request)
+    offered = responses_tools(body.tools, strict=state.limits.strict_tools, request_id=request_id)
+    tools = offered.chat or None
     fmt, echoed_format = response_format(body.text.format if body.text is not None else None)
     chat_body = chat_request(body, messages, tools, fmt)
-    request_id = request_id_of(request)
     response_id = f"resp_{secrets.token_hex(24)}"
     defaults = state.sampling_defaults
     base = ResponseObject(
@@ -117,7 +119,9 @@ async def create_response(request: Request) -> Response:
         top_logprobs=body.top_logprobs,
         text={"format": echoed_format},
         tool_choice=body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none"),
-        tools=echoed_tools,
+        tools=offered.echoed,
+        reasoning=body.reasoning.model_dump(exclude_none=True) if body.reasoning is not None else None,
+        service_tier="default" if body.service_tier is not None else None,
         user=body.user,
         safety_identifier=body.safety_identifier,
         prompt_cache_key=body.prompt_cache_key,
@@ -151,9 +155,14 @@ async def create_response(request: Request) -> Response:
         top_logprobs=chat_body.top_logprobs,
         request_id=request_id,
         on_final=store if body.store else None,
+        summary=body.reasoning is not None
+        and (body.reasoning.summary or body.reasoning.generate_summary) is not None,
+        seal=state.reasoning_seal.seal if ENCRYPTED_CONTENT_INCLUDE in (body.include or []) else None,
+        namespaces=offered.namespaces,
+        custom_tools=frozenset(offered.custom),
     )
     children = chat.children
-    return await respond(
+    response = await respond(
         request,
         children,
         stream=body.stream,
@@ -162,6 +171,9 @@ async def create_response(request: Request) -> Response:
         keepalive_s=state.sse_keepalive_s,
         request_id=request_id,
     )
+    if offered.skipped:
+        response.headers[SKIPPED_TOOLS_HEADER] = ", ".join(offered.skipped)
+    return response
 
 
 def _refuse_query(request: Request, *names: str) -> None:
