@@ -3,15 +3,17 @@
 
 A request becomes the chat request it means: `instructions` a system message first, the stored
 conversation of `previous_response_id` (its instructions not carried over, as OpenAI does) and the
-`input` items as chat messages (izh.api.responses.items), flat function tools as chat's tools,
+`input` items as chat messages (izh.api.responses.items), the tools as chat's (izh.api.responses.tools:
+namespaces flattened, custom tools as one-string functions, hosted tools skipped and named in the
+x-izh-skipped-tools header),
 `text.format` as response_format, `max_output_tokens` as max_completion_tokens. Then chat's
 `prepare_chat` renders, constrains and admits it, and izh.api.responses.stream builds the output
 items and events with chat's parsers. A refusal from chat's machinery names the Responses field
 (`input`, `text.format`, `max_output_tokens`, `tools.0.parameters`).
 
-Fields izh cannot honour (background, conversation, prompt, built-in tools, reasoning effort or
-summaries, truncation "auto", include values other than message.output_text.logprobs, ...) are 400s
-naming the field. Logprobs come with `include: ["message.output_text.logprobs"]` or a `top_logprobs`
+Fields izh cannot honour (background, conversation, prompt, truncation "auto", include values other
+than message.output_text.logprobs and reasoning.encrypted_content, ...) are 400s naming the field;
+`reasoning` is izh.api.responses.reasoning's. Logprobs come with `include: ["message.output_text.logprobs"]` or a `top_logprobs`
 (either asks for them). Stored responses (izh.api.responses.store) belong to the API key that made them.
 """
 
