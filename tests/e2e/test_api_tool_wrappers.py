@@ -7,6 +7,7 @@ naming a tool not offered, stays content. (The Responses route: test_api_respons
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -74,3 +75,20 @@ def test_wrapped_text_that_is_no_call_stays_content(client: openai.OpenAI) -> No
     reply = _create(client, {}, tool_choice="auto", extra_body=other).choices[0]
     assert not reply.message.tool_calls
     assert reply.message.content == '```json\n{"name": "get_time", "arguments": {}}\n```'
+
+
+def test_auto_runs_under_the_call_grammar(client: openai.OpenAI, caplog: pytest.LogCaptureFixture) -> None:
+    # The grammar's language is tests/unit/test_tool_wrappers.py's; here: the route applies it with
+    # tools and tool_choice "auto", and a request's own constraint takes its place.
+    caplog.set_level(logging.DEBUG, logger="izh.api.chat.routes")
+    for seed in range(3):
+        reply = _create(client, {}, tool_choice="auto", max_tokens=24, temperature=1.0, seed=seed).choices[0]
+        assert "<tool_call>" not in (reply.message.content or "")
+        for call in reply.message.tool_calls or []:
+            assert call.function.name in ("get_weather", "now")
+    admitted = [r.getMessage() for r in caplog.records if "chat:" in r.getMessage()]
+    assert admitted and all("constraint tools" in line for line in admitted), admitted
+    caplog.clear()
+    _create(client, {}, tool_choice="auto", max_tokens=4, extra_body={"guided_choice": ["Sunny."]})
+    (line,) = [r.getMessage() for r in caplog.records if "chat:" in r.getMessage()]
+    assert "constraint guided_choice" in line
