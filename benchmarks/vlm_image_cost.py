@@ -54,9 +54,9 @@ def main() -> None:
 
     from izh.config import EngineConfig
     from izh.engine.core import EngineCore
+    from izh.engine_messages import AddRequest
     from izh.frontend.image_processor import load_image_processor
     from izh.model.idefics3 import Idefics3ForConditionalGeneration
-    from izh.protocol import AddRequest
     from izh.sampling_params import SamplingParams
     from izh.tokenizer import load_tokenizer
     from tests.fixtures.idefics3 import SMOLVLM_256M_SHAPE, build_tiny_idefics3

@@ -12,12 +12,12 @@ from typing import Any
 
 from izh.config import EngineConfig
 from izh.engine.core import EngineCore
+from izh.engine_messages import AddRequest
 from izh.errors import InvalidRequest, LoraAdapterError
 from izh.frontend.image_processor import check_no_image_placeholders
 from izh.frontend.input_processor import validate_request
 from izh.frontend.output_processor import OutputProcessor, PositionLogprobs, RequestState
 from izh.pooling_params import PoolingParams, embedding_floats
-from izh.protocol import AddRequest
 from izh.sampling_params import SamplingParams
 from izh.tokenizer import Tokenizer, load_tokenizer
 

@@ -408,7 +408,14 @@ class ServerSettings(_Section):
     tool_call_parser: str = Field(
         default="auto",
         min_length=1,
-        description="Tool call parser: auto (from the chat template), none, or a parser name.",
+        description="Tool call parser: auto (from the chat template), none, or a parser name (hermes, "
+        "llama3_json, mistral, qwen3_coder, pythonic, deepseek_v3, granite, phi4_mini_json).",
+    )
+    chat_template: Path | None = Field(
+        default=None,
+        description="A Jinja chat template file that replaces the model's (vLLM's --chat-template), "
+        "rendered in the same sandbox: every route and /tokenize use it, and tool_call_parser / "
+        "reasoning_parser auto read it.",
     )
     reasoning_parser: str = Field(
         default="auto",

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -34,10 +35,12 @@ from izh.api.guard.middleware import (
     RequestGuardMiddleware,
     build_rate_limiter,
 )
+from izh.api.messages import routes as messages
 from izh.api.ops import lora, models, tokenize
 from izh.api.ops.metrics import PrometheusStatLogger
 from izh.api.ops.request_log import RequestLogger
 from izh.api.ops.routes import OPS_ROUTES, openapi_schema
+from izh.api.rerank import routes as rerank
 from izh.api.responses import routes as responses
 from izh.api.responses.store import ResponseStore
 from izh.api.webui.routes import register_web_ui
@@ -57,7 +60,13 @@ ROUTES: list[tuple[str, Any, list[str]]] = [
     ("/v1/responses/{response_id}", responses.retrieve_response, ["GET"]),
     ("/v1/responses/{response_id}", responses.delete_response, ["DELETE"]),
     ("/v1/responses/{response_id}/input_items", responses.list_input_items, ["GET"]),
+    ("/v1/messages", messages.create_message, ["POST"]),
+    ("/v1/messages/count_tokens", messages.count_tokens, ["POST"]),
     ("/v1/embeddings", embeddings.create_embedding, ["POST"]),
+    ("/v1/rerank", rerank.rerank, ["POST"]),
+    ("/rerank", rerank.rerank, ["POST"]),
+    ("/score", rerank.score, ["POST"]),
+    ("/v1/score", rerank.score, ["POST"]),
     ("/v1/models", models.list_models, ["GET"]),
     ("/v1/models/{model_id:path}", models.retrieve_model, ["GET"]),
     ("/tokenize", tokenize.tokenize, ["POST"]),
@@ -68,6 +77,14 @@ ROUTES: list[tuple[str, Any, list[str]]] = [
     *OPS_ROUTES,
 ]
 """(path, endpoint, methods) of every route, in the order they are registered."""
+
+
+def read_chat_template(path: Path) -> str:
+    """A chat template file's source (server.chat_template); ValueError naming the file otherwise."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"server.chat_template: cannot read {path}: {exc}") from None
 
 
 def build_app(
@@ -100,6 +117,8 @@ def build_app(
     # Without a [limits] section (tests, embedding apps) a request's own chat template is trusted.
     limits = limits if limits is not None else LimitSettings(trust_request_chat_template=True)
     tokenizer = llm.tokenizer
+    if s.chat_template is not None:
+        tokenizer.override_chat_template(read_chat_template(s.chat_template))
     parser = resolve_reasoning_parser(s.reasoning_parser, tokenizer.chat_template)
     select_tool_parser(s.tool_call_parser, tokenizer.chat_template)  # fail fast on an unknown name
     engine_ready = llm.ready

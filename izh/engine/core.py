@@ -14,8 +14,8 @@ from izh.engine.lora_manager import LoraManager
 from izh.engine.model_runner import ModelRunner
 from izh.engine.request import Request, RequestStatus
 from izh.engine.scheduler import Scheduler, SchedulerOutput
+from izh.engine_messages import AddRequest, EngineOutput, SchedulerStats, TokenLogprobs
 from izh.errors import IzhError, LoraAdapterError
-from izh.protocol import AddRequest, EngineOutput, SchedulerStats, TokenLogprobs
 from izh.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)

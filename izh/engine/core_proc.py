@@ -36,8 +36,7 @@ import msgspec
 import zmq
 
 from izh.config import EngineConfig
-from izh.errors import IzhError
-from izh.protocol import (
+from izh.engine_messages import (
     Abort,
     AddRequest,
     Dead,
@@ -53,6 +52,7 @@ from izh.protocol import (
     make_encoder,
     make_input_decoder,
 )
+from izh.errors import IzhError
 
 logger = logging.getLogger(__name__)
 

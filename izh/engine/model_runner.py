@@ -18,6 +18,7 @@ from izh.engine.guided import GrammarManager, apply_bitmask
 from izh.engine.lora_manager import LoraManager
 from izh.engine.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator, to_device
 from izh.engine.scheduler import ScheduledRequest, SchedulerOutput
+from izh.engine_messages import ImageInput, TokenLogprobs
 from izh.errors import ModelLoadError
 from izh.kernels import cpu as cpu_ops
 from izh.model.attention import AttentionMetadata, get_attention_backend
@@ -31,7 +32,6 @@ from izh.model.parallel import check_tensor_parallel
 from izh.model.parallel import compute_logits as parallel_logits
 from izh.model.pooling import PoolingConfig, pool, resolve_pooling
 from izh.pooling_params import PoolingParams
-from izh.protocol import ImageInput, TokenLogprobs
 
 if TYPE_CHECKING:
     from izh.engine.cuda_graphs import DecodeGraphRunner

@@ -13,8 +13,8 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from izh.engine_messages import ImageInput
     from izh.pooling_params import PoolingParams
-    from izh.protocol import ImageInput
     from izh.sampling_params import SamplingParams
 
 

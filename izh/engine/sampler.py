@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-# TokenLogprobs is the wire record (izh.protocol); the sampler produces it directly.
+from izh.engine_messages import TokenLogprobs
+
+# TokenLogprobs is the wire record (izh.engine_messages); the sampler produces it directly.
 from izh.kernels import cpu as cpu_ops
-from izh.protocol import TokenLogprobs
 from izh.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

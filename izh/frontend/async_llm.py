@@ -24,6 +24,7 @@ import msgspec
 
 from izh.config import EngineConfig
 from izh.engine.core_proc import DEFAULT_CORE_FACTORY
+from izh.engine_messages import Abort, AddRequest, EngineOutputs, ImageInput, Ready
 from izh.errors import (
     EngineDead,
     InvalidRequest,
@@ -38,7 +39,6 @@ from izh.frontend.input_processor import validate_request
 from izh.frontend.output_processor import OutputProcessor, RequestOutput, RequestState
 from izh.frontend.stats import RequestMetrics, StatLogger, StatLoggers
 from izh.pooling_params import PoolingParams
-from izh.protocol import Abort, AddRequest, EngineOutputs, ImageInput, Ready
 from izh.sampling_params import SamplingParams
 from izh.tokenizer import Tokenizer, load_tokenizer
 

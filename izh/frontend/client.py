@@ -41,8 +41,7 @@ import zmq.asyncio
 
 from izh.config import EngineConfig
 from izh.engine.core_proc import DEFAULT_CORE_FACTORY, run_engine_core
-from izh.errors import EngineDead, IzhError, ModelLoadError, describe_exit
-from izh.protocol import (
+from izh.engine_messages import (
     AddRequest,
     Dead,
     EngineInput,
@@ -56,6 +55,7 @@ from izh.protocol import (
     make_encoder,
     make_output_decoder,
 )
+from izh.errors import EngineDead, IzhError, ModelLoadError, describe_exit
 
 logger = logging.getLogger(__name__)
 

@@ -18,12 +18,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from izh.config import EngineConfig
+from izh.engine_messages import (
+    Abort,
+    AddRequest,
+    EngineInput,
+    EngineOutput,
+    EngineOutputs,
+    Ready,
+    SchedulerStats,
+)
 from izh.errors import EngineDead
 from izh.frontend.async_llm import AsyncLLM, ForwardToLLM, _load_tokenizer_beside
 from izh.frontend.client import AttachedCore, EngineCoreClient, engine_state
 from izh.frontend.dp_router import Router, affinity_keys
 from izh.frontend.stats import StatLogger
-from izh.protocol import Abort, AddRequest, EngineInput, EngineOutput, EngineOutputs, Ready, SchedulerStats
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from izh.engine_messages import ImageInput
 from izh.errors import InvalidRequest, ModelLoadError
-from izh.protocol import ImageInput
 
 FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
 IMAGE_TOKEN = "<image>"

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from izh.engine_messages import EngineOutput, TokenLogprobs
 from izh.frontend.stats import RequestMetrics
-from izh.protocol import EngineOutput, TokenLogprobs
 from izh.sampling_params import SamplingParams
 from izh.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from izh.protocol import SchedulerStats
+from izh.engine_messages import SchedulerStats
 
 logger = logging.getLogger(__name__)
 

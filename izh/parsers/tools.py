@@ -1,22 +1,53 @@
-"""Which tool-call parser: the formats by name (Hermes/Qwen and Llama 3 JSON), and the one a chat
-template's tool format calls for. The parsers' behaviour is izh.parsers.tool_calls'.
+"""Which tool-call parser: the formats by name (vLLM's names), and the one a chat template's tool
+format calls for (`--tool-call-parser auto`). The parsers' behaviour is izh.parsers.tool_calls'.
 """
 
 from __future__ import annotations
 
+from izh.parsers.deepseek import CALLS_BEGIN, DeepSeekV3ToolParser
 from izh.parsers.hermes import HERMES_START, HermesToolParser
+from izh.parsers.json_formats import (
+    GRANITE_TOOL_CALL,
+    MISTRAL_TOOL_CALLS,
+    GraniteToolParser,
+    MistralToolParser,
+    Phi4MiniJsonToolParser,
+)
 from izh.parsers.llama3 import PYTHON_TAG, Llama3JsonToolParser
+from izh.parsers.pythonic import PYTHON_START, PythonicToolParser
+from izh.parsers.qwen3_coder import FUNCTION_START, PARAMETER_START, Qwen3CoderToolParser
 from izh.parsers.tool_calls import ToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
+    "pythonic": PythonicToolParser,
+    "deepseek_v3": DeepSeekV3ToolParser,
+    "granite": GraniteToolParser,
+    "phi4_mini_json": Phi4MiniJsonToolParser,
 }
+
+_PYTHONIC_HINTS = (PYTHON_START, "[func_name1(params_name1=params_value1")
+"""Llama 4's python tags; Llama 3.2's pythonic instructions (its tool-calling system prompt)."""
 
 
 def detect_tool_parser(chat_template: str | None) -> str:
-    """The parser a chat template's tool format calls for: hermes unless it looks like Llama 3's."""
+    """The parser a chat template's tool format calls for, from the markers it writes; hermes when none."""
     template = chat_template or ""
+    if FUNCTION_START in template and PARAMETER_START in template:
+        return "qwen3_coder"  # before hermes: its calls sit inside <tool_call> too
+    if CALLS_BEGIN in template:
+        return "deepseek_v3"
+    if MISTRAL_TOOL_CALLS in template:
+        return "mistral"
+    if GRANITE_TOOL_CALL in template:
+        return "granite"
+    if "functools[" in template or "<|tool|>" in template:
+        return "phi4_mini_json"
+    if any(hint in template for hint in _PYTHONIC_HINTS):
+        return "pythonic"
     if HERMES_START in template:
         return "hermes"
     if PYTHON_TAG in template or ("<|start_header_id|>" in template and '"parameters"' in template):

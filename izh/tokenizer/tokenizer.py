@@ -248,6 +248,19 @@ class Tokenizer:
             param="chat_template",
         )
 
+    def override_chat_template(self, source: str) -> None:
+        """Serve `source` as the model's chat template (server.chat_template): it replaces "default"
+        and the model's "tool_use" one (the override renders tools too); other named templates stay.
+
+        Raises ValueError when it does not compile.
+        """
+        try:
+            self._renderer.compile(source)
+        except InvalidRequest as exc:
+            raise ValueError(f"the chat template does not compile: {exc.message}") from None
+        self.chat_templates.pop("tool_use", None)
+        self.chat_templates["default"] = source
+
     def _special_id(self, name: str) -> int | None:
         content = self.special_tokens.get(name)
         return None if content is None else self.backend.token_to_id(content)

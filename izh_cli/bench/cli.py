@@ -1,5 +1,6 @@
 """`izh bench`: stream requests at a server and report TTFT, TPOT, ITL, E2E latency and throughput
-(or, with `--endpoint embeddings`, requests/s and input tokens/s of /v1/embeddings: izh_cli.bench.embeddings).
+(or, with `--endpoint embeddings`, requests/s and input tokens/s of /v1/embeddings, and with `--endpoint
+rerank` of /v1/rerank: izh_cli.bench.embeddings). `--endpoint messages` streams Anthropic's /v1/messages.
 
 Only Typer, the stdlib and izh_cli._common at import time (``izh bench --help`` is instant); httpx, Rich
 and the benchmark modules are imported inside the command.
@@ -51,7 +52,7 @@ class BenchOptions:
     url: str
     model: str | None
     api_key: str | None
-    endpoint: Literal["chat", "completions", "embeddings"]
+    endpoint: Literal["chat", "completions", "messages", "embeddings", "rerank"]
     levels: tuple[int, ...]
     requests: int | None
     duration_s: float | None
@@ -63,7 +64,7 @@ class BenchOptions:
     slo: dict[str, float]
     timeout_s: float
     batch_size: int = 1
-    """Inputs per /v1/embeddings request."""
+    """Inputs per /v1/embeddings request (documents per /v1/rerank request)."""
 
     def requests_for(self, concurrency: int) -> int | None:
         """Requests per level: --requests, else none with --duration, else 4 × concurrency (at least 32)."""
@@ -95,10 +96,11 @@ def bench(
     model: ModelOption = None,
     api_key: ApiKeyOption = None,
     endpoint: Annotated[
-        Literal["chat", "completions", "embeddings"],
+        Literal["chat", "completions", "messages", "embeddings", "rerank"],
         typer.Option(
             "--endpoint",
-            help="/v1/chat/completions, /v1/completions, or /v1/embeddings (requests/s and input tokens/s).",
+            help="/v1/chat/completions, /v1/completions, /v1/messages (Anthropic's, streamed), or "
+            "/v1/embeddings and /v1/rerank (requests/s and input tokens/s).",
         ),
     ] = "completions",
     batch_size: Annotated[
@@ -106,7 +108,7 @@ def bench(
         typer.Option(
             "--batch-size",
             min=1,
-            help="Inputs per request (--endpoint embeddings only).",
+            help="Inputs per request (--endpoint embeddings; documents per query with rerank).",
             rich_help_panel=_PANEL_LOAD,
         ),
     ] = 1,
@@ -272,10 +274,10 @@ def bench(
         duration=duration, request_rate=request_rate, burstiness=burstiness, spec=spec, ignore_eos=ignore_eos,
         temperature=temperature, slo=slo, timeout=timeout, batch_size=batch_size,
     )  # fmt: skip
-    if endpoint == "embeddings":
+    if endpoint in ("embeddings", "rerank"):
         if plot or compare_with is not None or slo is not None or duration is not None:
             fail(
-                "--plot, --compare, --slo and --duration apply to generation, not --endpoint embeddings",
+                f"--plot, --compare, --slo and --duration apply to generation, not --endpoint {endpoint}",
                 "see `izh bench --help`.",
                 EXIT_USAGE,
             )
@@ -313,8 +315,10 @@ def _validated(*, concurrency: str, slo: str | None, spec: DatasetSpec, **values
             raise ValueError("--requests and --duration exclude each other")
         if values["request_rate"] <= 0 or values["burstiness"] <= 0:
             raise ValueError("--request-rate and --burstiness must be positive")
-        if values["batch_size"] != 1 and values["endpoint"] != "embeddings":
-            raise ValueError("--batch-size applies to --endpoint embeddings only")
+        if values["batch_size"] != 1 and values["endpoint"] not in ("embeddings", "rerank"):
+            raise ValueError("--batch-size applies to --endpoint embeddings and rerank only")
+        if values["ignore_eos"] and values["endpoint"] == "messages":
+            raise ValueError("--ignore-eos is not part of Anthropic's Messages API (--endpoint messages)")
     except ValueError as exc:
         fail(str(exc), "see `izh bench --help`.", EXIT_USAGE)
     duration = values.pop("duration")
@@ -376,7 +380,8 @@ async def _bench_embeddings(options: BenchOptions) -> dict[str, Any]:
     from izh_cli.http import auth_headers, resolve_urls
 
     urls = resolve_urls(options.url)
-    url = f"{urls.api}/embeddings"
+    rerank = options.endpoint == "rerank"
+    url = f"{urls.api}/rerank" if rerank else f"{urls.api}/embeddings"
     timeout = httpx.Timeout(options.timeout_s, connect=min(options.timeout_s, 10.0))
     clients = make_clients(max(options.levels), headers=auth_headers(options.api_key), timeout=timeout)
     runs: list[dict[str, Any]] = []
@@ -389,12 +394,13 @@ async def _bench_embeddings(options: BenchOptions) -> dict[str, Any]:
         server["model"] = model
         tokenizer, samples = await _prepare(clients[0], urls, model, options)
         probe, _, _ = await embeddings.run_level(
-            clients[:1], url, model, samples[:1], concurrency=1, num_requests=1, batch_size=1
+            clients[:1], url, model, samples[:1], concurrency=1, num_requests=1, batch_size=1, rerank=rerank
         )
         if probe[0].error is not None:
             raise BenchError(
                 f"a test request to {url} failed: {probe[0].error}",
-                "check --model and --api-key; the server must serve embeddings (llama-server: --embeddings).",
+                "check --model and --api-key; the server must serve "
+                + ("rerank (an embedding model)." if rerank else "embeddings (llama-server: --embeddings)."),
             )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -408,7 +414,7 @@ async def _bench_embeddings(options: BenchOptions) -> dict[str, Any]:
                 with stderr_console().status(f"concurrency {level}: {num_requests} requests..."):
                     records, duration_s, interrupted = await embeddings.run_level(
                         clients, url, model, samples, concurrency=level, num_requests=num_requests,
-                        batch_size=options.batch_size, stop=stop,
+                        batch_size=options.batch_size, stop=stop, rerank=rerank,
                     )  # fmt: skip
                 runs.append(embeddings.run_entry(level, options.batch_size, records, duration_s, interrupted))
                 if interrupted:
@@ -503,9 +509,16 @@ def _first_model(server: dict[str, Any]) -> str:
 def _run_config(options: BenchOptions, model: str, urls: Any) -> RunConfig:
     from izh_cli.bench.runner import RunConfig
 
-    endpoint: Literal["chat", "completions"] = "chat" if options.endpoint == "chat" else "completions"
+    endpoint: Literal["chat", "completions", "messages"] = (
+        "messages"
+        if options.endpoint == "messages"
+        else "chat"
+        if options.endpoint == "chat"
+        else "completions"
+    )
+    url = {"chat": urls.chat, "completions": urls.completions, "messages": f"{urls.api}/messages"}[endpoint]
     return RunConfig(
-        url=urls.chat if endpoint == "chat" else urls.completions,
+        url=url,
         endpoint=endpoint,
         model=model,
         concurrency=options.levels[0],

@@ -1,4 +1,5 @@
-"""`izh bench --endpoint embeddings`: requests/s, inputs/s and input tokens/s of POST /v1/embeddings.
+"""`izh bench --endpoint embeddings`: requests/s, inputs/s and input tokens/s of POST /v1/embeddings
+(and, `--endpoint rerank`, of POST /v1/rerank: one query against `batch_size` documents per request).
 
 Plain OpenAI /v1/embeddings (JSON floats, as `encoding_format` "float"), so it measures vLLM and
 llama.cpp (`llama-server --embeddings`) servers as well as izh. Each request carries `batch_size` of
@@ -48,12 +49,19 @@ async def _one(
     index: int,
     origin: float,
     encoding_format: str,
+    rerank: bool = False,
 ) -> EmbeddingRecord:
     import httpx
 
     from izh_cli.http import error_message, exception_kind, http_error_kind
 
-    body = {"model": model, "input": [s.prompt for s in batch], "encoding_format": encoding_format}
+    body: dict[str, Any] = {
+        "model": model,
+        "input": [s.prompt for s in batch],
+        "encoding_format": encoding_format,
+    }
+    if rerank:  # the query is the batch's first text, the documents all of it
+        body = {"model": model, "query": batch[0].prompt, "documents": [s.prompt for s in batch]}
     start = time.perf_counter()
     error = None
     tokens = sum(s.prompt_len for s in batch)
@@ -65,16 +73,14 @@ async def _one(
             )
         else:
             payload = response.json()
-            data = payload.get("data") if isinstance(payload, dict) else None
+            data = payload.get("results" if rerank else "data") if isinstance(payload, dict) else None
             if not isinstance(data, list) or len(data) != len(batch):
-                error = f"bad reply: {len(data) if isinstance(data, list) else 'no'} embeddings for {len(batch)} inputs"
+                what = "results" if rerank else "embeddings"
+                error = f"bad reply: {len(data) if isinstance(data, list) else 'no'} {what} for {len(batch)} inputs"
             usage = payload.get("usage") if isinstance(payload, dict) else None
-            if (
-                isinstance(usage, dict)
-                and isinstance(usage.get("prompt_tokens"), int)
-                and usage["prompt_tokens"]
-            ):
-                tokens = usage["prompt_tokens"]
+            key = "total_tokens" if rerank else "prompt_tokens"
+            if isinstance(usage, dict) and isinstance(usage.get(key), int) and usage[key]:
+                tokens = usage[key]
     except httpx.HTTPError as exc:
         error = exception_kind(exc)
     except ValueError as exc:
@@ -94,6 +100,7 @@ async def run_level(
     batch_size: int,
     stop: asyncio.Event | None = None,
     encoding_format: str = "float",
+    rerank: bool = False,
 ) -> tuple[list[EmbeddingRecord], float, bool]:
     """Send `num_requests` requests of `batch_size` texts (cycling through `samples`), `concurrency` at
     a time; returns the records, the wall time and whether `stop` cut it short. `encoding_format`
@@ -109,7 +116,7 @@ async def run_level(
         for index, batch in queue:
             if stop is not None and stop.is_set():
                 return
-            records.append(await _one(client, url, model, batch, index, origin, encoding_format))
+            records.append(await _one(client, url, model, batch, index, origin, encoding_format, rerank))
 
     tasks = [asyncio.create_task(worker(slot)) for slot in range(min(concurrency, num_requests))]
     stopper = asyncio.create_task(stop.wait()) if stop is not None else None

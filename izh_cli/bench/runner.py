@@ -24,7 +24,7 @@ from izh_cli.bench.datasets import Sample
 from izh_cli.bench.metrics import RequestRecord
 from izh_cli.http import DONE, SseDecoder, error_message, exception_kind, http_error_kind
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "messages"]
 INTERRUPTED = "interrupted"
 NO_TOKENS = "no tokens received"
 
@@ -86,13 +86,23 @@ def arrival_gaps(request_rate: float, burstiness: float, rng: random.Random) -> 
 
 def build_payload(sample: Sample, config: RunConfig, max_tokens: int | None = None) -> dict[str, Any]:
     """The streaming request body, asking for usage in the stream."""
+    output_len = max_tokens if max_tokens is not None else sample.output_len
     payload: dict[str, Any] = {
         "model": config.model,
         "stream": True,
         "stream_options": {"include_usage": True},
         "temperature": config.temperature,
     }
-    output_len = max_tokens if max_tokens is not None else sample.output_len
+    if config.endpoint == "messages":
+        # Anthropic's Messages API: its stream always ends with the usage (message_delta), and it has no
+        # ignore_eos (a model that ends early streams fewer tokens; the per-token figures still hold).
+        return {
+            "model": config.model,
+            "stream": True,
+            "temperature": config.temperature,
+            "messages": sample.chat_messages(),
+            "max_tokens": output_len,
+        }
     if config.endpoint == "chat":
         payload["messages"] = sample.chat_messages()
         payload["max_completion_tokens"] = output_len
@@ -108,12 +118,22 @@ def build_payload(sample: Sample, config: RunConfig, max_tokens: int | None = No
 class StreamRecorder:
     """Turns one stream's events into a RequestRecord; the timing definitions live here (see metrics)."""
 
-    __slots__ = ("_chat", "_last_choice", "_last_text", "_parts", "_start", "record", "usage_seen")
+    __slots__ = (
+        "_chat",
+        "_last_choice",
+        "_last_text",
+        "_messages",
+        "_parts",
+        "_start",
+        "record",
+        "usage_seen",
+    )
 
-    def __init__(self, record: RequestRecord, start: float, chat: bool) -> None:
+    def __init__(self, record: RequestRecord, start: float, chat: bool, messages: bool = False) -> None:
         self.record = record
         self._start = start
         self._chat = chat
+        self._messages = messages
         self._last_text: float | None = None
         self._last_choice: float | None = None
         self._parts: list[str] = []
@@ -121,6 +141,8 @@ class StreamRecorder:
 
     def on_event(self, event: dict[str, Any], now: float) -> bool:
         """Record one decoded SSE event received at ``now``; True when it carried generated text."""
+        if self._messages:
+            return self._on_message_event(event, now)
         if event.get("error"):
             error = event["error"]
             message = error.get("message", "") if isinstance(error, dict) else str(error)
@@ -137,8 +159,34 @@ class StreamRecorder:
             return False
         self._last_choice = now
         text = self._text(choices[0])
-        if not text:
-            return False
+        return self._on_text(text, now) if text else False
+
+    def _on_message_event(self, event: dict[str, Any], now: float) -> bool:
+        """One event of Anthropic's Messages stream (message_start, content_block_delta, message_delta...)."""
+        kind = event.get("type")
+        if kind == "content_block_delta":
+            delta = event.get("delta") or {}
+            text = delta.get("text") or delta.get("thinking") or delta.get("partial_json") or ""
+            return self._on_text(text, now) if text else False
+        if kind == "message_start":
+            usage = (event.get("message") or {}).get("usage") or {}
+            if usage.get("input_tokens") is not None:
+                self.record.prompt_tokens = usage["input_tokens"] + (
+                    usage.get("cache_read_input_tokens") or 0
+                )
+        elif kind == "message_delta":
+            self._last_choice = now
+            usage = event.get("usage") or {}
+            if usage.get("output_tokens") is not None:
+                self.usage_seen = True
+                self.record.output_tokens = usage["output_tokens"]
+        elif kind == "error":
+            error = event.get("error") or {}
+            self.record.error = f"stream error: {str(error.get('message', ''))[:120]}"
+        return False
+
+    def _on_text(self, text: str, now: float) -> bool:
+        self._last_choice = now
         if self._last_text is None:
             self.record.ttft_s = now - self._start
         else:
@@ -299,7 +347,8 @@ class Runner:
     async def _stream(
         self, client: httpx.AsyncClient, record: RequestRecord, payload: dict[str, Any], start: float
     ) -> tuple[str, bool]:
-        recorder = StreamRecorder(record, start, self.config.endpoint == "chat")
+        endpoint = self.config.endpoint
+        recorder = StreamRecorder(record, start, endpoint == "chat", messages=endpoint == "messages")
         counters = self.counters
         async with client.stream("POST", self.config.url, json=payload) as response:
             if response.status_code != 200:

@@ -157,8 +157,8 @@ def test_llamacpp_adapter_and_rates_between_scrapes() -> None:
 def test_izh_adapter_on_izh_exporter_text() -> None:
     """The text izh's own PrometheusStatLogger writes parses with the izh adapter."""
     from izh.api.ops.metrics import PrometheusStatLogger
+    from izh.engine_messages import SchedulerStats
     from izh.frontend.stats import RequestMetrics
-    from izh.protocol import SchedulerStats
 
     stat_logger = PrometheusStatLogger("tiny", max_model_len=256, cache_config={"block_size": "16"})
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from izh.config import EngineConfig
-from izh.protocol import SchedulerStats
+from izh.engine_messages import SchedulerStats
 from tests.e2e.api_server import ApiServer, api_server
 from tests.engine.fake_core import CRASH_TOKEN, FOREVER_TOKEN, GATE_TOKEN, FakeEngineCore, make_fake_model
 

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from izh.config import EngineConfig
+from izh.engine_messages import AddRequest, EngineOutput, SchedulerStats, TokenLogprobs
 from izh.errors import IzhError, ModelLoadError
-from izh.protocol import AddRequest, EngineOutput, SchedulerStats, TokenLogprobs
 
 BAD_TOKEN = 999
 ASSERT_TOKEN = 994

@@ -13,12 +13,12 @@ from typing import Any, TypeVar
 import pytest
 
 from izh.config import EngineConfig
+from izh.engine_messages import SchedulerStats
 from izh.errors import ContextLengthExceeded, EngineDead, InvalidRequest, IzhError, Overloaded
 from izh.frontend import async_llm
 from izh.frontend.async_llm import REQUEST_SCOPE, AsyncLLM, RequestScope
 from izh.frontend.output_processor import RequestOutput
 from izh.frontend.stats import RequestMetrics, StatLogger
-from izh.protocol import SchedulerStats
 from izh.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.engine.fake_core import ASSERT_TOKEN, BAD_TOKEN, CRASH_TOKEN, FOREVER_TOKEN, write_options
 from tests.fixtures.bpe import train_byte_level_bpe

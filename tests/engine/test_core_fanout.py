@@ -18,11 +18,11 @@ import zmq
 
 from izh.config import EngineConfig
 from izh.engine.core_proc import run_engine_core
+from izh.engine_messages import Abort, EngineOutput, EngineOutputs, Shutdown, make_encoder
 from izh.errors import EngineDead
 from izh.frontend.client import AttachedCore, EngineCoreClient
 from izh.frontend.dp_client import DataParallelClient
 from izh.frontend.dp_router import ROUTE_AFFINITY
-from izh.protocol import Abort, EngineOutput, EngineOutputs, Shutdown, make_encoder
 from tests.engine.fake_core import CRASH_TOKEN, FOREVER_TOKEN, write_options
 from tests.engine.test_core_proc import FAKE, Recorder, add, run
 

@@ -23,9 +23,9 @@ from typing import Any, TypeVar
 import pytest
 
 from izh.config import EngineConfig
+from izh.engine_messages import Abort, AddRequest, EngineOutput, EngineOutputs
 from izh.errors import EngineDead, IzhError, ModelLoadError
 from izh.frontend.client import EngineCoreClient
-from izh.protocol import Abort, AddRequest, EngineOutput, EngineOutputs
 from izh.sampling_params import SamplingParams
 from tests.engine.fake_core import (
     ASSERT_TOKEN,

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from izh import LLM, SamplingParams
+from izh.engine_messages import AddRequest
 from izh.errors import ContextLengthExceeded, InvalidRequest
 from izh.kernels import cpu as cpu_ops
-from izh.protocol import AddRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 

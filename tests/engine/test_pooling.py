@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from izh import LLM, SamplingParams
+from izh.engine_messages import AddRequest
 from izh.pooling_params import PoolingParams
-from izh.protocol import AddRequest
 from tests.engine.test_llm import GREEDY, PROMPTS, _llm
 
 

@@ -15,9 +15,9 @@ from transformers import AutoProcessor, Idefics3ForConditionalGeneration
 
 from izh.config import EngineConfig
 from izh.engine.core import EngineCore
+from izh.engine_messages import AddRequest, ImageInput
 from izh.frontend.image_processor import load_image_processor
 from izh.model import AttentionMetadata, load_model
-from izh.protocol import AddRequest, ImageInput
 from izh.sampling_params import SamplingParams
 from izh.tokenizer import load_tokenizer
 

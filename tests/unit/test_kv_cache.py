@@ -273,7 +273,7 @@ def test_check_invariants_catches_corruption() -> None:
 
 
 def test_blocks_overlapping_an_image_carry_its_content_hash() -> None:
-    from izh.protocol import ImageInput
+    from izh.engine_messages import ImageInput
 
     def with_image(content_hash: str) -> Request:
         # Placeholders at positions 5..10: blocks 1 and 2 (of 4 tokens) overlap the image, block 0 does not.

@@ -173,7 +173,13 @@ def test_pure_python_scheduling_state() -> None:
 
 
 def test_api_process_modules_do_not_import_torch() -> None:
-    modules = ["izh.api.app", "izh.frontend.async_llm", "izh_cli.main", "izh.tokenizer", "izh.protocol"]
+    modules = [
+        "izh.api.app",
+        "izh.frontend.async_llm",
+        "izh_cli.main",
+        "izh.tokenizer",
+        "izh.engine_messages",
+    ]
     code = (
         "import importlib, json, sys\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"

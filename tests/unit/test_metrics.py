@@ -13,8 +13,8 @@ from izh.api.ops.metrics import (
     PrometheusStatLogger,
     build_1_2_5_buckets,
 )
+from izh.engine_messages import SchedulerStats
 from izh.frontend.stats import RequestMetrics, StatLogger
-from izh.protocol import SchedulerStats
 
 LABELS = 'engine="0",model_name="tiny"'
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from izh.engine_messages import EngineOutput, TokenLogprobs
 from izh.frontend.output_processor import OutputProcessor, RequestOutput, RequestState
-from izh.protocol import EngineOutput, TokenLogprobs
 from izh.sampling_params import SamplingParams
 from izh.tokenizer import Tokenizer
 from tests.fixtures.bpe import train_byte_level_bpe

@@ -322,8 +322,8 @@ def test_registry_selects_by_name_or_template() -> None:
     assert select_tool_parser("auto", None) is HermesToolParser
     assert select_tool_parser("llama3_json", QWEN_TEMPLATE) is Llama3JsonToolParser
     assert select_tool_parser("none", QWEN_TEMPLATE) is None
-    with pytest.raises(ValueError, match="hermes, llama3_json"):
-        select_tool_parser("mistral", None)
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+        select_tool_parser("xlam", None)
 
 
 TOOLS: list[dict[str, Any]] = [

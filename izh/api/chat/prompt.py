@@ -21,8 +21,8 @@ from izh.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from izh.api.common.images import ChatImage
+    from izh.engine_messages import ImageInput
     from izh.frontend.image_processor import Idefics3ImageProcessor
-    from izh.protocol import ImageInput
 
 # Names the renderer itself passes to a template: chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_KWARGS = frozenset(

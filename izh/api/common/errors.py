@@ -5,6 +5,11 @@ it) and `error_response` (an IzhError → `{"error": {"message", "type", "param"
 exception handlers and the request guard answer with `error_json_response`, and a stream that fails
 after it started sends the same body as an SSE event (izh.api.common.sse.error_event). The error classes
 themselves, each with its status and OpenAI type, are izh.errors.
+
+Anthropic's Messages API (`/v1/messages...`, izh.api.messages) answers the same errors in Anthropic's
+envelope instead, `{"type": "error", "error": {"type", "message"}}`, its type chosen by status
+(`anthropic_error_body`): `error_json_response(..., anthropic=True)`, which the guard and the exception
+handler pick by path (`is_anthropic_path`).
 """
 
 from __future__ import annotations
@@ -91,8 +96,36 @@ def validation_error_to_invalid_request(exc: pydantic.ValidationError | Any) -> 
     return InvalidRequest(f"{where}{first.get('msg', 'invalid value')}", param=param)
 
 
-def error_json_response(err: IzhError, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The HTTP response for an error: status from its class, OpenAI's envelope as the body."""
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+_ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether a path is one of Anthropic's routes (answered in Anthropic's error envelope)."""
+    return path == ANTHROPIC_PATH_PREFIX or path.startswith(ANTHROPIC_PATH_PREFIX + "/")
+
+
+def anthropic_error_body(err: IzhError) -> dict[str, Any]:
+    """Anthropic's error envelope for `err`: its type from the status (any other status: api_error)."""
+    error_type = _ANTHROPIC_ERROR_TYPES.get(err.status_code, "api_error")
+    return {"type": "error", "error": {"type": error_type, "message": err.message}}
+
+
+def error_json_response(
+    err: IzhError, headers: dict[str, str] | None = None, *, anthropic: bool = False
+) -> JSONResponse:
+    """The HTTP response for an error: status from its class, OpenAI's envelope (or, `anthropic`,
+    Anthropic's) as the body."""
     all_headers = dict(headers or {})
     retry_after_s = getattr(err, "retry_after_s", None)
     if isinstance(retry_after_s, int):
@@ -101,7 +134,8 @@ def error_json_response(err: IzhError, headers: dict[str, str] | None = None) ->
         all_headers.setdefault("Retry-After", str(RETRY_AFTER_S))
     if isinstance(err, Unauthorized):
         all_headers.setdefault("WWW-Authenticate", "Bearer")
-    return JSONResponse(error_response(err).model_dump(), status_code=err.status_code, headers=all_headers)
+    body = anthropic_error_body(err) if anthropic else error_response(err).model_dump()
+    return JSONResponse(body, status_code=err.status_code, headers=all_headers)
 
 
 async def handle_exception(request: Request, exc: Exception) -> Response:
@@ -109,7 +143,9 @@ async def handle_exception(request: Request, exc: Exception) -> Response:
     headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else None
     request_id = getattr(request.state, "request_id", None)
     return error_json_response(
-        to_izh_error(exc, request_id if isinstance(request_id, str) else None), headers
+        to_izh_error(exc, request_id if isinstance(request_id, str) else None),
+        headers,
+        anthropic=is_anthropic_path(request.url.path),
     )
 
 

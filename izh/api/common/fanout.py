@@ -19,8 +19,8 @@ from starlette.responses import Response
 from izh.api.common.protocol import PromptTokensDetails, UsageInfo
 from izh.api.common.sse import SSEResponse, sse_stream
 from izh.api.common.state import ApiState, json_response, request_id_of
+from izh.engine_messages import ImageInput
 from izh.errors import InvalidRequest
-from izh.protocol import ImageInput
 from izh.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -42,19 +42,20 @@ from izh.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-def _input_param(index: int, count: int) -> str:
-    return "input" if count == 1 else f"input.{index}"
+def _input_param(index: int, count: int, field: str = "input") -> str:
+    return field if count == 1 else f"{field}.{index}"
 
 
-def _tokenize(
-    tokenizer: Tokenizer, items: list[str | list[int]], add_special_tokens: bool
+def tokenize_inputs(
+    tokenizer: Tokenizer, items: list[str | list[int]], add_special_tokens: bool, field: str = "input"
 ) -> list[list[int]]:
+    """Each input's token ids (strings encoded; a 400 naming `field` for an empty one)."""
     result = []
     for i, item in enumerate(items):
         if isinstance(item, str):
             if not item:
                 raise InvalidRequest(
-                    "an input must not be an empty string", param=_input_param(i, len(items))
+                    "an input must not be an empty string", param=_input_param(i, len(items), field)
                 )
             result.append(tokenizer.encode(item, add_special_tokens=add_special_tokens))
         else:
@@ -73,7 +74,7 @@ def _check_body(body: EmbeddingRequest) -> None:
         raise InvalidRequest(f"dimensions must be >= 1, got {body.dimensions}", param="dimensions")
 
 
-def _check_token_limit(token_ids: list[list[int]]) -> None:
+def check_token_limit(token_ids: list[list[int]], field: str = "input") -> None:
     """limits.max_prompt_tokens per input, naming the input (AsyncLLM's own check names `prompt`)."""
     scope = REQUEST_SCOPE.get()
     limit = scope.max_prompt_tokens if scope is not None else None
@@ -83,16 +84,17 @@ def _check_token_limit(token_ids: list[list[int]]) -> None:
         if len(ids) > limit:
             raise LimitExceeded(
                 f"an input has {len(ids)} tokens, over the limit of {limit} (limits.max_prompt_tokens)",
-                param=_input_param(i, len(token_ids)),
+                param=_input_param(i, len(token_ids), field),
             )
 
 
-async def _admit(
+async def admit_pooling(
     state: ApiState,
     base_id: str,
     token_ids: list[list[int]],
     pooling: PoolingParams,
     lora_name: str | None,
+    fields: list[str] | None = None,
 ) -> list[Child]:
     """One prompt-only request per input, all or none (the admitted ones are aborted on a refusal)."""
     children: list[Child] = []
@@ -104,7 +106,7 @@ async def _admit(
                 ids,
                 params,
                 deadline_s=state.default_request_timeout_s,
-                prompt_param=_input_param(i, len(token_ids)),
+                prompt_param=fields[i] if fields is not None else _input_param(i, len(token_ids)),
                 pooling_params=pooling,
                 lora_name=lora_name,
             )
@@ -157,13 +159,13 @@ async def create_embedding(request: Request) -> Response:
     llm = state.llm
     ready = llm.ready
     items = split_prompts(body.input, param="input")
-    token_ids = await asyncio.to_thread(_tokenize, llm.tokenizer, items, body.add_special_tokens)
-    _check_token_limit(token_ids)
+    token_ids = await asyncio.to_thread(tokenize_inputs, llm.tokenizer, items, body.add_special_tokens)
+    check_token_limit(token_ids)
     pooling = PoolingParams(
         pooling_type=ready.pooling_type, normalize=ready.normalize_embeddings, dimensions=body.dimensions
     )
     request_id = request_id_of(request)
-    children = await _admit(state, f"embd-{request_id}", token_ids, pooling, lora_name)
+    children = await admit_pooling(state, f"embd-{request_id}", token_ids, pooling, lora_name)
     state.metrics.count_request("/v1/embeddings")
     logger.debug("[%s] embeddings: %d inputs", request_id, len(children))
     collect = _collect(

@@ -108,9 +108,15 @@ class RequestLimits:
             "/v1/chat/completions": self.check_chat,
             "/v1/completions": self.check_completion,
             "/v1/responses": self.check_responses,
+            "/v1/messages": self.check_anthropic_messages,
+            "/v1/messages/count_tokens": self.check_anthropic_messages,
             "/tokenize": self.check_tokenize,
             "/detokenize": self.check_detokenize,
             "/v1/embeddings": self.check_embeddings,
+            "/v1/rerank": self.check_scoring,
+            "/rerank": self.check_scoring,
+            "/score": self.check_scoring,
+            "/v1/score": self.check_scoring,
         }.get(path)
 
     # --- per route ---------------------------------------------------------------------------------
@@ -152,11 +158,32 @@ class RequestLimits:
         if isinstance(text, dict) and isinstance(text.get("format"), dict):
             self._check_schema("text.format", text["format"].get("schema"))
 
+    def check_anthropic_messages(self, body: dict[str, Any]) -> None:
+        """Anthropic's Messages fields under chat's limits (input_schema is a tool's parameters)."""
+        s = self.settings
+        self._check_messages(body)
+        if s.max_output_tokens is not None:
+            self._at_most("max_tokens", body.get("max_tokens"), s.max_output_tokens, "max_output_tokens")
+        self._check_stop(body.get("stop_sequences"))
+        tools = body.get("tools")
+        if isinstance(tools, list):
+            self._count("tools", tools, s.max_tools, "max_tools", "tools")
+            for index, tool in enumerate(tools):
+                if isinstance(tool, dict):
+                    self._check_schema(f"tools.{index}.input_schema", tool.get("input_schema"))
+
     def check_embeddings(self, body: dict[str, Any]) -> None:
         """The number of inputs (tokens per input: limits.max_prompt_tokens, checked once tokenized)."""
         inputs = body.get("input")
         if isinstance(inputs, list) and inputs and not all(_is_int(item) for item in inputs):
             self._count("input", inputs, self.settings.max_embedding_inputs, "max_embedding_inputs", "inputs")
+
+    def check_scoring(self, body: dict[str, Any]) -> None:
+        """Rerank's documents and score's texts count as embedding inputs."""
+        for field in ("documents", "text_1", "text_2"):
+            texts = body.get(field)
+            if isinstance(texts, list):
+                self._count(field, texts, self.settings.max_embedding_inputs, "max_embedding_inputs", "texts")
 
     def check_tokenize(self, body: dict[str, Any]) -> None:
         self._check_messages(body)

@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from izh.api.common.chat_protocol import (
     ChatCompletionRequest,
 )
-from izh.api.common.errors import error_json_response, to_izh_error
+from izh.api.common.errors import error_json_response, is_anthropic_path, to_izh_error
 from izh.api.common.protocol import (
     PARSED_BODY,
     CompletionRequest,
@@ -41,12 +41,14 @@ from izh.api.common.protocol import (
 from izh.api.guard.limits import NOT_JSON, RequestLimits, parse_json
 from izh.api.guard.ratelimit import (
     ANONYMOUS_KEY_ID,
+    SCORING_PATHS,
     RateLimiter,
     Reservation,
     api_key_cache_salt,
     api_key_id,
     estimate_request_tokens,
 )
+from izh.api.messages.protocol import CountTokensRequest, MessagesRequest
 from izh.api.ops.protocol import (
     DetokenizeRequest,
     LoadLoraAdapterRequest,
@@ -54,6 +56,7 @@ from izh.api.ops.protocol import (
     UnloadLoraAdapterRequest,
 )
 from izh.api.ops.request_log import RequestLogger, RequestRecord
+from izh.api.rerank.protocol import RerankRequest, ScoreRequest
 from izh.api.responses.protocol import ResponsesRequest
 from izh.errors import InvalidRequest, IzhError, PayloadTooLarge, RequestTimeout, Unauthorized
 from izh.frontend.async_llm import REQUEST_SCOPE, RequestScope
@@ -65,13 +68,22 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/version"})
 """Open without an API key (and /metrics unless metrics_require_auth); every other path needs one."""
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"})
+GENERATION_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/embeddings"}
+    | SCORING_PATHS
+)
 """The routes that run the model: rate-limited, and where a RequestScope collects usage."""
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
     "/v1/embeddings": EmbeddingRequest,
+    "/v1/rerank": RerankRequest,
+    "/rerank": RerankRequest,
+    "/score": ScoreRequest,
+    "/v1/score": ScoreRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
     "/v1/load_lora_adapter": LoadLoraAdapterRequest,
@@ -219,7 +231,9 @@ class RequestGuardMiddleware:
             try:
                 request_scope, receive, reservation = await self._admit(scope, headers, receive, record)
             except IzhError as refusal:
-                await error_json_response(refusal)(scope, receive, send_with_id)
+                await error_json_response(refusal, anthropic=is_anthropic_path(scope["path"]))(
+                    scope, receive, send_with_id
+                )
                 return
             except ClientDisconnected:
                 return
@@ -253,7 +267,7 @@ class RequestGuardMiddleware:
                 COMPLETIONS_DEFAULT_MAX_TOKENS
                 if path == "/v1/completions"
                 else 0
-                if path == "/v1/embeddings"  # no output tokens
+                if path == "/v1/embeddings" or path in SCORING_PATHS  # no output tokens
                 else policy.default_max_tokens
             )
             estimate = estimate_request_tokens(
@@ -287,7 +301,9 @@ class RequestGuardMiddleware:
             if record.status:
                 raise
             # Only what escaped every handler gets here: log it once, answer in the envelope.
-            await error_json_response(to_izh_error(exc, record.request_id))(scope, receive, send)
+            await error_json_response(
+                to_izh_error(exc, record.request_id), anthropic=is_anthropic_path(scope["path"])
+            )(scope, receive, send)
         finally:
             REQUEST_SCOPE.reset(token)
             if reservation is not None:

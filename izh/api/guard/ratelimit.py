@@ -210,11 +210,18 @@ def _requested_max_tokens(body: dict[str, Any]) -> int | None:
     return None
 
 
+SCORING_PATHS = frozenset({"/v1/rerank", "/rerank", "/score", "/v1/score"})
+"""The rerank and score routes (izh.api.rerank): prompt-only, like /v1/embeddings."""
+
+
 def _prompt_token_estimates(body: dict[str, Any], path: str) -> list[int]:
     """One estimate per prompt: exact for token ids, characters / CHARS_PER_TOKEN for text."""
     messages = body.get("messages")
     if isinstance(messages, list):
         return [_text_tokens(sum(_chars(message) for message in messages))]
+    if path in SCORING_PATHS:  # every text is embedded once
+        texts = [body.get(key) for key in ("query", "documents", "text_1", "text_2")]
+        return [_text_tokens(sum(_chars(text) for text in texts))]
     if path == "/v1/embeddings":
         prompt = body.get("input")  # strings or token ids, as a completion's prompt
     elif "input" in body:  # /v1/responses: the input items and the instructions

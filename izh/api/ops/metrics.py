@@ -30,8 +30,8 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from izh.engine_messages import SchedulerStats
 from izh.frontend.stats import RequestMetrics
-from izh.protocol import SchedulerStats
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,357 @@
+"""An Anthropic Messages request → the chat request it means (izh.api.protocol.ChatCompletionRequest),
+so that chat's `prepare_chat` renders, constrains and admits it and chat's parsers read its output.
+
+- `system` (a string or text blocks) → a system message first;
+- a user message's text and image blocks → a user message of text and image_url parts (base64 sources
+  as data URLs, url sources as they are: izh.api.images allows them only with
+  `limits.allow_remote_images`); its `tool_result` blocks → tool messages, in order (text content only;
+  `is_error` results start with "Error: ");
+- an assistant message's text → content, `tool_use` blocks → tool calls (their ids kept), `thinking`
+  blocks → reasoning_content;
+- `tools` (custom tools: name, description, input_schema) → function tools; `tool_choice` auto → auto,
+  any → required, tool → the named function, none → none; `disable_parallel_tool_use` →
+  parallel_tool_calls false;
+- `stop_sequences` → stop, `max_tokens`, `temperature`, `top_p`, `top_k` as they are;
+- `output_config.format` (a JSON schema) → response_format json_schema (grammar-enforced); `effort` → 400;
+- `thinking` disabled → the template's `enable_thinking: false` (Qwen3's switch); adaptive → the
+  model's default. Enabled needs a reasoning model (a reasoning parser): else a 400. Its `budget_tokens`
+  is checked as Anthropic checks it (at least 1024, below max_tokens); izh bounds thinking and answer
+  together by max_tokens only.
+
+`cache_control` on blocks and tools is accepted and needs nothing: the prefix cache serves a repeated
+prefix whatever the client marks. Every other block type, tool type or field is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pydantic
+
+from izh.api.common.chat_protocol import (
+    ChatCompletionRequest,
+    ChatMessageParam,
+    ContentPart,
+    FunctionCallParam,
+    FunctionDefinition,
+    NamedToolChoice,
+    NamedToolChoiceFunction,
+    ToolCallParam,
+    ToolParam,
+)
+from izh.api.common.errors import validation_error_to_invalid_request
+from izh.api.common.protocol import JsonSchemaFormat, ResponseFormat
+from izh.api.messages.protocol import CountTokensRequest, MessageParam, MessagesRequest
+from izh.errors import InvalidRequest
+
+MIN_THINKING_BUDGET_TOKENS = 1024
+"""Anthropic's lower bound on thinking.budget_tokens."""
+_HINT_KEYS = frozenset({"cache_control"})
+"""Keys any block or tool may carry that change nothing here."""
+
+
+def unsupported(param: str, message: str) -> InvalidRequest:
+    return InvalidRequest(f"{param}: {message}", param=param, code="unsupported")
+
+
+def _check_keys(block: dict[str, Any], allowed: set[str], param: str) -> None:
+    """Refuse a key outside `allowed` that holds something (clients echo a response's blocks back with
+    its null fields, e.g. a tool_use's `caller: null`)."""
+    for key, value in block.items():
+        if value is None or (key == "caller" and value == {"type": "direct"}):
+            continue  # unset, or the model calling the tool itself (the only caller here)
+        if key not in allowed and key not in _HINT_KEYS:
+            raise unsupported(f"{param}.{key}", f"the field {key!r} is not supported here")
+
+
+def _text_of(block: dict[str, Any], param: str) -> str:
+    _check_keys(block, {"type", "text", "citations"}, param)
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{param}.text: a text block needs a string 'text'", param=f"{param}.text")
+    if block.get("citations"):
+        raise unsupported(f"{param}.citations", "citations are not supported")
+    return text
+
+
+def _block(value: Any, param: str) -> dict[str, Any]:
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise InvalidRequest(f"{param}: expected a content block with a 'type'", param=param)
+    return value
+
+
+def system_text(system: str | list[dict[str, Any]] | None) -> str | None:
+    """The system prompt's text (text blocks joined by newlines), or None."""
+    if system is None or isinstance(system, str):
+        return system or None
+    texts = []
+    for index, value in enumerate(system):
+        block = _block(value, f"system.{index}")
+        if block["type"] != "text":
+            raise unsupported(f"system.{index}.type", f"system blocks must be text, got {block['type']!r}")
+        texts.append(_text_of(block, f"system.{index}"))
+    return "\n".join(texts) or None
+
+
+def _image_part(block: dict[str, Any], param: str) -> ContentPart:
+    _check_keys(block, {"type", "source"}, param)
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise InvalidRequest(f"{param}.source: an image block needs a source", param=f"{param}.source")
+    kind = source.get("type")
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if not isinstance(media_type, str) or not isinstance(data, str):
+            raise InvalidRequest(
+                f"{param}.source: a base64 source needs media_type and data", param=f"{param}.source"
+            )
+        url = f"data:{media_type};base64,{data}"
+    elif kind == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise unsupported(f"{param}.source.type", f"image sources of type {kind!r} are not supported")
+    return ContentPart(type="image_url", image_url={"url": url})
+
+
+def _tool_result(block: dict[str, Any], param: str) -> ChatMessageParam:
+    _check_keys(block, {"type", "tool_use_id", "content", "is_error"}, param)
+    tool_use_id = block.get("tool_use_id")
+    if not isinstance(tool_use_id, str):
+        raise InvalidRequest(f"{param}.tool_use_id: expected a string", param=f"{param}.tool_use_id")
+    content = block.get("content", "")
+    if isinstance(content, list):
+        texts = []
+        for index, value in enumerate(content):
+            part = _block(value, f"{param}.content.{index}")
+            if part["type"] != "text":
+                raise unsupported(
+                    f"{param}.content.{index}.type",
+                    f"tool results may hold text blocks only, got {part['type']!r}",
+                )
+            texts.append(_text_of(part, f"{param}.content.{index}"))
+        content = "\n".join(texts)
+    if not isinstance(content, str):
+        raise InvalidRequest(f"{param}.content: expected a string or text blocks", param=f"{param}.content")
+    if block.get("is_error"):
+        content = f"Error: {content}"
+    return ChatMessageParam(role="tool", content=content, tool_call_id=tool_use_id)
+
+
+def _user_messages(message: MessageParam, param: str) -> list[ChatMessageParam]:
+    """A user message as chat messages: tool results as tool messages, the rest as user messages."""
+    if isinstance(message.content, str):
+        return [ChatMessageParam(role="user", content=message.content)]
+    out: list[ChatMessageParam] = []
+    parts: list[ContentPart] = []
+    for index, value in enumerate(message.content):
+        where = f"{param}.content.{index}"
+        block = _block(value, where)
+        kind = block["type"]
+        if kind == "tool_result":
+            if parts:
+                out.append(ChatMessageParam(role="user", content=parts))
+                parts = []
+            out.append(_tool_result(block, where))
+        elif kind == "text":
+            parts.append(ContentPart(type="text", text=_text_of(block, where)))
+        elif kind == "image":
+            parts.append(_image_part(block, where))
+        else:
+            raise unsupported(
+                f"{where}.type",
+                f"user content blocks of type {kind!r} are not supported (text, image, tool_result)",
+            )
+    if parts:
+        out.append(ChatMessageParam(role="user", content=parts))
+    return out
+
+
+def _assistant_message(message: MessageParam, param: str) -> ChatMessageParam:
+    if isinstance(message.content, str):
+        return ChatMessageParam(role="assistant", content=message.content)
+    texts: list[str] = []
+    thoughts: list[str] = []
+    calls: list[ToolCallParam] = []
+    for index, value in enumerate(message.content):
+        where = f"{param}.content.{index}"
+        block = _block(value, where)
+        kind = block["type"]
+        if kind == "text":
+            texts.append(_text_of(block, where))
+        elif kind == "thinking":
+            _check_keys(block, {"type", "thinking", "signature"}, where)
+            if not isinstance(block.get("thinking"), str):
+                raise InvalidRequest(f"{where}.thinking: expected a string", param=f"{where}.thinking")
+            thoughts.append(block["thinking"])
+        elif kind == "tool_use":
+            _check_keys(block, {"type", "id", "name", "input"}, where)
+            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+                raise InvalidRequest(f"{where}: a tool_use block needs an id and a name", param=where)
+            arguments = block.get("input", {})
+            if not isinstance(arguments, dict):
+                raise InvalidRequest(f"{where}.input: expected an object", param=f"{where}.input")
+            calls.append(
+                ToolCallParam(
+                    id=block["id"],
+                    function=FunctionCallParam(name=block["name"], arguments=json.dumps(arguments)),
+                )
+            )
+        else:
+            raise unsupported(
+                f"{where}.type",
+                f"assistant content blocks of type {kind!r} are not supported (text, thinking, tool_use)",
+            )
+    return ChatMessageParam(
+        role="assistant",
+        content="".join(texts),
+        tool_calls=calls or None,
+        reasoning_content="".join(thoughts) if thoughts else None,
+    )
+
+
+def chat_messages(body: CountTokensRequest | MessagesRequest) -> list[ChatMessageParam]:
+    messages: list[ChatMessageParam] = []
+    system = system_text(body.system)
+    if system is not None:
+        messages.append(ChatMessageParam(role="system", content=system))
+    for index, message in enumerate(body.messages):
+        param = f"messages.{index}"
+        if message.role == "user":
+            messages.extend(_user_messages(message, param))
+        else:
+            messages.append(_assistant_message(message, param))
+    return messages
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[ToolParam] | None:
+    if not tools:
+        return None
+    out: list[ToolParam] = []
+    for index, tool in enumerate(tools):
+        param = f"tools.{index}"
+        kind = tool.get("type", "custom")
+        if kind != "custom":
+            raise unsupported(
+                f"{param}.type", f"tools of type {kind!r} are not supported here (custom tools only)"
+            )
+        # eager_input_streaming: izh always streams a call's input as it is written.
+        _check_keys(
+            tool, {"type", "name", "description", "input_schema", "strict", "eager_input_streaming"}, param
+        )
+        try:
+            function = FunctionDefinition.model_validate(
+                {
+                    "name": tool.get("name"),
+                    "description": tool.get("description"),
+                    "parameters": tool.get("input_schema"),
+                    "strict": tool.get("strict"),
+                }
+            )
+        except pydantic.ValidationError as exc:
+            error = validation_error_to_invalid_request(exc)
+            name = (error.param or "").replace("parameters", "input_schema")
+            raise InvalidRequest(
+                f"{param}.{name}: {error.message.split(': ', 1)[-1]}", param=f"{param}.{name}"
+            ) from None
+        if function.parameters is None:
+            raise InvalidRequest(
+                f"{param}.input_schema: a tool needs an input_schema", param=f"{param}.input_schema"
+            )
+        out.append(ToolParam(function=function))
+    return out
+
+
+def chat_tool_choice(
+    choice: dict[str, Any] | None, has_tools: bool
+) -> tuple[str | NamedToolChoice | None, bool | None]:
+    """(chat's tool_choice, parallel_tool_calls) for Anthropic's tool_choice."""
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    allowed = {"type", "disable_parallel_tool_use"} | ({"name"} if kind == "tool" else set())
+    _check_keys(choice, allowed, "tool_choice")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    if kind in ("auto", "any", "tool") and not has_tools:
+        raise InvalidRequest(f"tool_choice: {kind!r} needs tools", param="tool_choice")
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", None
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str):
+            raise InvalidRequest("tool_choice.name: expected the tool's name", param="tool_choice.name")
+        return NamedToolChoice(function=NamedToolChoiceFunction(name=name)), parallel
+    raise InvalidRequest(
+        f"tool_choice.type: expected auto, any, tool or none, got {kind!r}", param="tool_choice.type"
+    )
+
+
+def check_thinking(body: CountTokensRequest | MessagesRequest, reasoning: bool) -> dict[str, Any] | None:
+    """The template kwargs `thinking` asks for (None: the model's default)."""
+    thinking = body.thinking
+    if thinking is None:
+        return None
+    if thinking.type == "adaptive":
+        return None
+    if thinking.type == "disabled":
+        if thinking.budget_tokens is not None:
+            raise InvalidRequest(
+                "thinking.budget_tokens: only with thinking enabled", param="thinking.budget_tokens"
+            )
+        return {"enable_thinking": False}
+    if not reasoning:
+        raise unsupported("thinking", "this model does not think (no reasoning parser is configured)")
+    budget = thinking.budget_tokens
+    if budget is None or budget < MIN_THINKING_BUDGET_TOKENS:
+        raise InvalidRequest(
+            f"thinking.budget_tokens: must be at least {MIN_THINKING_BUDGET_TOKENS}",
+            param="thinking.budget_tokens",
+        )
+    if isinstance(body, MessagesRequest) and budget >= body.max_tokens:
+        raise InvalidRequest(
+            "thinking.budget_tokens: must be less than max_tokens", param="thinking.budget_tokens"
+        )
+    return None
+
+
+def _response_format(body: CountTokensRequest | MessagesRequest) -> ResponseFormat | None:
+    config = body.output_config
+    if config is None:
+        return None
+    if config.effort is not None:
+        raise unsupported("output_config.effort", "effort cannot be controlled for this model")
+    if config.format is None:
+        return None
+    schema = JsonSchemaFormat.model_validate({"name": "output", "schema": config.format.schema_})
+    return ResponseFormat(type="json_schema", json_schema=schema)
+
+
+def chat_request(body: CountTokensRequest | MessagesRequest, reasoning: bool) -> ChatCompletionRequest:
+    """The chat request `body` means (`reasoning`: the server parses the model's thinking)."""
+    tools = chat_tools(body.tools)
+    tool_choice, parallel = chat_tool_choice(body.tool_choice, tools is not None)
+    fields: dict[str, Any] = {
+        "messages": chat_messages(body),
+        "tools": tools,
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel,
+        "chat_template_kwargs": check_thinking(body, reasoning),
+        "response_format": _response_format(body),
+    }
+    if isinstance(body, MessagesRequest):
+        fields |= {
+            "max_tokens": body.max_tokens,
+            "stop": body.stop_sequences,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "stream": body.stream,
+        }
+    try:
+        return ChatCompletionRequest(**fields)
+    except pydantic.ValidationError as exc:
+        raise validation_error_to_invalid_request(exc) from None
