@@ -142,7 +142,8 @@ def claude_env(home: Path, base_url: str, model: str) -> dict[str, str]:
     }
 
 
-def agent_command(agent: str, cli: str, model: str, task: str) -> list[str]:
+def agent_command(agent: str, cli: str, model: str, task: str, *, short: bool) -> list[str]:
+    """The headless command line; `short` (Claude Code): our short system prompt, the Bash tool only."""
     if agent == "codex":
         return [
             cli,
@@ -152,16 +153,36 @@ def agent_command(agent: str, cli: str, model: str, task: str) -> list[str]:
             "--json",
             task,
         ]
-    return [cli, "-p", task, "--model", model, "--allowedTools", "Bash", "--output-format", "json"]
+    command = [
+        cli,
+        "-p",
+        task,
+        "--model",
+        model,
+        "--tools",
+        "Bash",
+        "--allowedTools",
+        "Bash",
+        "--output-format",
+        "json",
+    ]
+    return command + (["--system-prompt", SHORT_INSTRUCTIONS] if short else [])
 
 
 def run_agent(
-    agent: str, cli: str, env: dict[str, str], model: str, task: str, cwd: Path, timeout_s: float
+    agent: str,
+    cli: str,
+    env: dict[str, str],
+    model: str,
+    task: str,
+    cwd: Path,
+    timeout_s: float,
+    short: bool = False,
 ) -> dict[str, Any]:
     """Run one headless agent turn; its exit code, output and wall time."""
     started = time.monotonic()
     proc = subprocess.run(
-        agent_command(agent, cli, model, task),
+        agent_command(agent, cli, model, task, short=short),
         cwd=cwd,
         env={"PATH": os.environ.get("PATH", ""), **env},
         capture_output=True,
@@ -224,7 +245,7 @@ def main() -> None:
                 else claude_env(home, served.url, args.model)
             )
             before = len(request_lines(served.log))
-            run = run_agent(agent, cli, env, args.model, TASK, work, args.timeout_s)
+            run = run_agent(agent, cli, env, args.model, TASK, work, args.timeout_s, args.short)
             time.sleep(1)  # the request log line is written once the response is out
             run["requests"] = [
                 {

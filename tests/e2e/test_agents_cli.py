@@ -81,6 +81,13 @@ def test_codex_exec(served: Served, tmp_path: Path) -> None:
     assert messages[-1].strip() and any(messages[-1].strip() in text for text in outputs), (messages, outputs)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="Claude Code 2.1.332's first request is refused by izh's Messages route four times over: a "
+    "'system' role inside `messages` (its environment note), `context_management` (clear_thinking, keep "
+    "all), `output_config.effort`, and max_tokens 32000 beyond the context (no clamping); strict: this "
+    "fails once the route serves Claude Code, to be turned into a plain test",
+)
 def test_claude_print(served: Served, tmp_path: Path) -> None:
     cli = find_cli("claude")
     if cli is None:
@@ -94,7 +101,7 @@ def test_claude_print(served: Served, tmp_path: Path) -> None:
     work.mkdir()
     env = claude_env(tmp_path / "home", served.url, MODEL)
     before = len(request_lines(served.log))
-    run = run_agent("claude", cli, env, MODEL, "say hi", work, TIMEOUT_S)
+    run = run_agent("claude", cli, env, MODEL, "say hi", work, TIMEOUT_S, short=True)
     lines = _check_protocol(served, before, run["rc"], run["stderr"])
     assert all(str(line["path"]).startswith("/v1/messages") for line in lines)
     result = json.loads(run["stdout"])
