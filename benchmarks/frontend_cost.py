@@ -16,7 +16,15 @@ round, each server started afresh and alone on the machine:
     python benchmarks/frontend_cost.py --concurrency 64 --data-parallel-sizes 1,2 --prefix-len 64 \
         --num-prefixes 8 --rounds 1 --skip-offline
 
-Frontend CPU is then summed over every API process, core CPU over every core. With --prefix-len the
+Frontend CPU is then summed over every API process, core CPU over every core.
+
+Routes compared on one server (`--endpoints`, each level runs them in turn, round after round):
+
+    python benchmarks/frontend_cost.py --concurrency 32 --endpoints chat,messages --rounds 3 \
+        --no-ignore-eos --skip-offline
+
+(Anthropic's /v1/messages has no ignore_eos, so compare it with chat without it: the same greedy
+outputs, the same tokens.) With --prefix-len the
 prompts share --num-prefixes distinct prefixes (`izh bench`'s prefix dataset), and each row reports the
 data-parallel router's affinity hit rate (izh:dp_routed_requests_total by route) and the cores' prefix
 cache hit rate (izh:prefix_cache_hits / queries) over that level.
@@ -154,14 +162,17 @@ def run_config(
             # One prompt for every request: the client tokenizes nothing, so the API process's CPU
             # time is the serving path alone.
             dataset = ["--dataset", str(path)]
-        for level in levels:
+        for level, endpoint in [
+            (level, endpoint) for level in levels for endpoint in args.endpoints.split(",")
+        ]:
             front0, core0 = sum(map(cpu_seconds, apis)), sum(map(cpu_seconds, cores))
             counters0 = metric_sums(url)
-            out = work / f"bench-{api_count}-{dp_size}-{level}.json"
-            bench = [sys.executable, "-m", "izh_cli.main", "bench", "--url", url, "--endpoint", "completions"]
+            out = work / f"bench-{api_count}-{dp_size}-{level}-{endpoint}.json"
+            bench = [sys.executable, "-m", "izh_cli.main", "bench", "--url", url, "--endpoint", endpoint]
             bench += ["--concurrency", str(level), "--requests", str(level * args.requests_per_stream)]
-            bench += [*dataset, "--output-len", str(args.output_len)]
-            bench += ["--ignore-eos", "--json", "--out", str(out)]
+            bench += [*dataset, "--output-len", str(args.output_len), "--temperature", "0"]
+            bench += [] if args.no_ignore_eos else ["--ignore-eos"]
+            bench += ["--json", "--out", str(out)]
             idle0, wall0 = machine_idle_s(), time.monotonic()
             client = subprocess.Popen(bench, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             _, status, usage = os.wait4(client.pid, 0)
@@ -176,6 +187,8 @@ def run_config(
             m = run["metrics"]
             tokens = m["total_output_tokens"]
             row: dict[str, object] = {
+                "endpoint": endpoint,
+                "total_output_tokens": tokens,
                 "api_server_count": api_count,
                 "data_parallel_size": dp_size,
                 "concurrency": level,
@@ -221,6 +234,14 @@ def main() -> None:
     )
     ap.add_argument("--num-prefixes", type=int, default=8)
     ap.add_argument("--skip-offline", action="store_true", help="No offline decode-step comparison.")
+    ap.add_argument(
+        "--endpoints",
+        default="completions",
+        help="izh bench --endpoint values run in turn: completions,chat,messages",
+    )
+    ap.add_argument(
+        "--no-ignore-eos", action="store_true", help="Let requests end at EOS (needed for messages)."
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -254,6 +275,8 @@ def main() -> None:
             "output_len": args.output_len,
             "prefix_len": args.prefix_len,
             "num_prefixes": args.num_prefixes if args.prefix_len else None,
+            "endpoints": args.endpoints,
+            "ignore_eos": not args.no_ignore_eos,
             "results": results,
         },
         args.out,

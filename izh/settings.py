@@ -411,11 +411,11 @@ class ServerSettings(_Section):
         description="Tool call parser: auto (from the chat template), none, or a parser name (hermes, "
         "llama3_json, mistral, qwen3_coder, pythonic, deepseek_v3, granite, phi4_mini_json).",
     )
-    chat_template: Path | None = Field(
+    chat_template: str | None = Field(
         default=None,
-        description="A Jinja chat template file that replaces the model's (vLLM's --chat-template), "
-        "rendered in the same sandbox: every route and /tokenize use it, and tool_call_parser / "
-        "reasoning_parser auto read it.",
+        description="A Jinja chat template file that replaces the model's (vLLM's --chat-template; or "
+        "the template itself in one line), rendered in the same sandbox: every route and /tokenize use "
+        "it, and tool_call_parser / reasoning_parser auto read it.",
     )
     reasoning_parser: str = Field(
         default="auto",

@@ -79,8 +79,14 @@ ROUTES: list[tuple[str, Any, list[str]]] = [
 """(path, endpoint, methods) of every route, in the order they are registered."""
 
 
-def read_chat_template(path: Path) -> str:
-    """A chat template file's source (server.chat_template); ValueError naming the file otherwise."""
+def read_chat_template(value: str) -> str:
+    """A chat template file's source (server.chat_template); ValueError naming the file otherwise.
+
+    As vLLM's --chat-template, the value may be the template itself in one line (it holds `{{` or
+    `{%` and names no file)."""
+    path = Path(value).expanduser()
+    if ("{{" in value or "{%" in value) and not path.is_file():
+        return value
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

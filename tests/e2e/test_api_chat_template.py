@@ -57,7 +57,7 @@ def server(tiny_llama_dir: str, template_file: Path) -> Iterator[ApiServer]:
         max_model_len=512,
         kv_cache_memory_bytes=1 << 23,
     )
-    with api_server(config, chat_template=template_file) as started:
+    with api_server(config, chat_template=str(template_file)) as started:
         yield started
 
 
@@ -97,13 +97,20 @@ def test_a_broken_file_fails_at_start(tiny_llama_dir: str, tmp_path: Path) -> No
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for message in messages %}")
     config = EngineConfig(model=tiny_llama_dir, served_model_name="tiny", device="cpu", max_model_len=512)
-    with pytest.raises(ValueError, match="does not compile"), api_server(config, chat_template=broken):
+    with pytest.raises(ValueError, match="does not compile"), api_server(config, chat_template=str(broken)):
         pass
     with (
         pytest.raises(ValueError, match="cannot read"),
-        api_server(config, chat_template=tmp_path / "missing"),
+        api_server(config, chat_template=str(tmp_path / "missing")),
     ):
         pass
+
+
+def test_the_template_itself_in_one_line(tiny_llama_dir: str) -> None:
+    config = EngineConfig(model=tiny_llama_dir, served_model_name="tiny", device="cpu", max_model_len=512)
+    with api_server(config, chat_template=TEMPLATE.replace("\n", "")) as started:
+        info = httpx.get(f"{started.url}/tokenizer_info").json()
+    assert info["chat_template"] == TEMPLATE.replace("\n", "")
 
 
 def test_the_flag_and_the_setting() -> None:

@@ -129,6 +129,12 @@ def test_every_route_needs_a_key_except_the_documented_open_ones(secured: ApiSer
             reply = httpx.request(method, url, json={})
             if path in OPEN_PATHS:
                 assert reply.status_code == 200, path
+            elif path.startswith("/v1/messages"):  # Anthropic's routes answer in Anthropic's envelope
+                assert reply.status_code == 401, path
+                assert reply.json() == {
+                    "type": "error",
+                    "error": {"type": "authentication_error", "message": reply.json()["error"]["message"]},
+                }
             else:
                 assert _error(reply, 401)["type"] == "authentication_error", path
                 assert reply.headers["www-authenticate"] == "Bearer"

@@ -164,7 +164,7 @@ class RequestLimits:
         self._check_messages(body)
         if s.max_output_tokens is not None:
             self._at_most("max_tokens", body.get("max_tokens"), s.max_output_tokens, "max_output_tokens")
-        self._check_stop(body.get("stop_sequences"))
+        self._check_stop(body.get("stop_sequences"), "stop_sequences")
         tools = body.get("tools")
         if isinstance(tools, list):
             self._count("tools", tools, s.max_tools, "max_tools", "tools")
@@ -222,17 +222,17 @@ class RequestLimits:
             self._count("logit_bias", logit_bias, s.max_logit_bias, "max_logit_bias", "entries")
         self._check_constraints(body)
 
-    def _check_stop(self, stop: Any) -> None:
+    def _check_stop(self, stop: Any, param: str = "stop") -> None:
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, list):
             return
-        self._count("stop", stops, self.settings.max_stop, "max_stop", "stop strings")
+        self._count(param, stops, self.settings.max_stop, "max_stop", "stop strings")
         for item in stops:
             if isinstance(item, str) and len(item) > self.settings.max_stop_chars:
                 raise LimitExceeded(
-                    f"stop: a stop string of {len(item)} characters exceeds the limit of "
+                    f"{param}: a stop string of {len(item)} characters exceeds the limit of "
                     f"{self.settings.max_stop_chars} (limits.max_stop_chars)",
-                    param="stop",
+                    param=param,
                 )
 
     def _check_constraints(self, body: dict[str, Any]) -> None:

@@ -1,0 +1,221 @@
+"""Anthropic Messages bodies → the chat requests they mean (izh.api.messages.convert): system blocks,
+tool_result blocks as tool messages in order, tool_use / thinking blocks on the assistant message,
+images as data URLs, tool_choice and thinking mapped, echoed null fields accepted, and every block,
+tool or field izh cannot honour a 400 naming it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from izh.api.messages.convert import chat_request
+from izh.api.messages.protocol import CountTokensRequest, MessagesRequest
+from izh.errors import InvalidRequest
+
+TOOL = {
+    "name": "get_weather",
+    "description": "Weather.",
+    "input_schema": {"type": "object", "properties": {}},
+}
+
+
+def _body(**fields: Any) -> MessagesRequest:
+    return MessagesRequest.model_validate({"model": "m", "max_tokens": 64, **fields})
+
+
+def test_a_tool_round_trip_conversation() -> None:
+    body = _body(
+        system=[
+            {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": "Use tools."},
+        ],
+        messages=[
+            {"role": "user", "content": "Weather in Paris and Oslo?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "Two cities.", "signature": "x"},
+                    {"type": "text", "text": "Checking."},
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_1",
+                        "name": "get_weather",
+                        "input": {"city": "Paris"},
+                        "caller": None,
+                    },
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_2",
+                        "name": "get_weather",
+                        "input": {"city": "Oslo"},
+                        "caller": {"type": "direct"},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_2",
+                        "content": [{"type": "text", "text": "down"}],
+                        "is_error": True,
+                    },
+                    {"type": "text", "text": "Thanks."},
+                ],
+            },
+        ],
+        tools=[TOOL],
+        tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+        stop_sequences=["END"],
+        top_k=5,
+    )
+    chat = chat_request(body, reasoning=True)
+    roles = [m.role for m in chat.messages]
+    assert roles == ["system", "user", "assistant", "tool", "tool", "user"]
+    assert chat.messages[0].content == "Be brief.\nUse tools."
+    assistant = chat.messages[2]
+    assert assistant.content == "Checking." and assistant.reasoning_content == "Two cities."
+    assert [
+        (c.id, c.function.name, json.loads(str(c.function.arguments))) for c in assistant.tool_calls or []
+    ] == [
+        ("toolu_1", "get_weather", {"city": "Paris"}),
+        ("toolu_2", "get_weather", {"city": "Oslo"}),
+    ]
+    assert [(m.tool_call_id, m.content) for m in chat.messages[3:5]] == [
+        ("toolu_1", "sunny"),
+        ("toolu_2", "Error: down"),
+    ]
+    assert chat.tools is not None and chat.tools[0].function.parameters == TOOL["input_schema"]
+    assert chat.tool_choice == "auto" and chat.parallel_tool_calls is False
+    assert chat.stop == ["END"] and chat.top_k == 5 and chat.max_tokens == 64
+
+
+@pytest.mark.parametrize(
+    ("choice", "expected"),
+    [
+        ({"type": "any"}, "required"),
+        ({"type": "none"}, "none"),
+        ({"type": "tool", "name": "get_weather"}, "get_weather"),
+    ],
+)
+def test_tool_choice(choice: dict[str, Any], expected: str) -> None:
+    chat = chat_request(
+        _body(messages=[{"role": "user", "content": "x"}], tools=[TOOL], tool_choice=choice), reasoning=False
+    )
+    got = chat.tool_choice if isinstance(chat.tool_choice, str) else chat.tool_choice.function.name  # type: ignore[union-attr]
+    assert got == expected
+
+
+def test_an_image_block_is_a_data_url_part() -> None:
+    body = _body(
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image",
+                        "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"},
+                    },
+                    {"type": "text", "text": "What is it?"},
+                ],
+            }
+        ]
+    )
+    (message,) = chat_request(body, reasoning=False).messages
+    assert isinstance(message.content, list)
+    assert message.content[0].image_url == {"url": "data:image/png;base64,AAAA"}
+    assert message.content[1].text == "What is it?"
+
+
+def test_thinking() -> None:
+    disabled = _body(messages=[{"role": "user", "content": "x"}], thinking={"type": "disabled"})
+    assert chat_request(disabled, reasoning=True).chat_template_kwargs == {"enable_thinking": False}
+    adaptive = _body(messages=[{"role": "user", "content": "x"}], thinking={"type": "adaptive"})
+    assert chat_request(adaptive, reasoning=False).chat_template_kwargs is None
+    enabled = _body(
+        messages=[{"role": "user", "content": "x"}],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        max_tokens=2048,
+    )
+    assert chat_request(enabled, reasoning=True).chat_template_kwargs is None
+    with pytest.raises(InvalidRequest, match="does not think"):
+        chat_request(enabled, reasoning=False)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        (
+            {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+            "messages.0.content.0.type",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}]},
+            "messages.0.content.0.type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "surprise": 1}]}]},
+            "messages.0.content.0.surprise",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "tool_result",
+                                "tool_use_id": "t",
+                                "content": [{"type": "image", "source": {}}],
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages.0.content.0.content.0.type",
+        ),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+        ({"tools": [{"name": "t"}]}, "tools.0.input_schema"),
+        ({"tools": [{**TOOL, "input_examples": [{}]}]}, "tools.0.input_examples"),
+        ({"tool_choice": {"type": "any"}}, "tool_choice"),
+        ({"output_config": {"effort": "low"}}, "output_config.effort"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 512}}, "thinking.budget_tokens"),
+    ],
+)
+def test_what_izh_cannot_honour_names_its_field(fields: dict[str, Any], param: str) -> None:
+    body = _body(**{"messages": [{"role": "user", "content": "x"}], **fields})
+    with pytest.raises(InvalidRequest) as refused:
+        chat_request(body, reasoning=True)
+    assert refused.value.param == param
+
+
+def test_count_tokens_takes_no_sampling_fields() -> None:
+    body = CountTokensRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [TOOL]}
+    )
+    chat = chat_request(body, reasoning=False)
+    assert chat.max_tokens is None and chat.tools is not None
+
+
+def test_the_guard_bounds_messages_bodies_naming_their_fields() -> None:
+    from izh.api.guard.limits import RequestLimits
+    from izh.errors import LimitExceeded
+    from izh.settings import LimitSettings
+
+    limits = RequestLimits(LimitSettings(max_stop=2, max_tools=1, max_messages=2), max_model_len=1024)
+    check = limits.checker("/v1/messages")
+    assert check is not None and limits.checker("/v1/messages/count_tokens") is not None
+    base: dict[str, Any] = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
+    check(base)
+    for fields, param in (
+        ({"stop_sequences": ["a", "b", "c"]}, "stop_sequences"),
+        ({"tools": [TOOL, TOOL]}, "tools"),
+        ({"messages": [{"role": "user", "content": "x"}] * 3}, "messages"),
+    ):
+        with pytest.raises(LimitExceeded) as refused:
+            check({**base, **fields})
+        assert refused.value.param == param
