@@ -68,7 +68,10 @@ def serve(
     prompt and output included (server.log_prompts)."""
     folder.mkdir(parents=True, exist_ok=True)
     config = folder / "izh.toml"
-    config.write_text("[server]\nlog_prompts = true\n[logging]\njson = true\n")
+    # A long prefill step on a loaded host must not read as a hung engine core.
+    config.write_text(
+        "[server]\nlog_prompts = true\nengine_heartbeat_timeout_s = 600\n[logging]\njson = true\n"
+    )
     port = free_port()
     log = folder / "serve.log"
     cmd = [sys.executable, "-m", "izh_cli.main", "serve", gguf, "--port", str(port), "--config", str(config)]
@@ -119,7 +122,8 @@ def codex_env(home: Path, base_url: str, model: str, *, short: bool) -> dict[str
         f'base_url = "{base_url}/v1"',
         'wire_api = "responses"',
     ]
-    lines += ['env_key = "IZH_AGENT_KEY"']
+    # Codex drops a stream silent for 5 minutes; a CPU prefilling its first prompt can take longer.
+    lines += ['env_key = "IZH_AGENT_KEY"', "stream_idle_timeout_ms = 3600000"]
     (codex_home / "config.toml").write_text("\n".join(lines) + "\n")
     return {"HOME": str(home), "CODEX_HOME": str(codex_home), "IZH_AGENT_KEY": "unused", "NO_COLOR": "1"}
 
