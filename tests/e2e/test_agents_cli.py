@@ -30,13 +30,15 @@ from benchmarks.agents_cli import (
 )
 
 MODEL = "smollm2"
+MAX_MODEL_LEN = 2560  # Codex's short prompt is ~1,850 tokens
 TIMEOUT_S = 1200  # a 2-core host shared with other work prefills Codex's ~2K-token prompt slowly
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 300)]
 
 
 @pytest.fixture(scope="module")
 def served(smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    started = serve(smollm2_gguf, MODEL, tmp_path_factory.mktemp("agents-server"), 8192)
+    # Codex sends no max_output_tokens: the context's room bounds a rambling 135M model's answer.
+    started = serve(smollm2_gguf, MODEL, tmp_path_factory.mktemp("agents-server"), MAX_MODEL_LEN)
     try:
         yield started
     finally:
