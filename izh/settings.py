@@ -527,6 +527,12 @@ class LimitSettings(_Section):
         description="Largest top_logprobs, logprobs (completions) and prompt_logprobs.",
     )
     max_tools: int = Field(default=128, ge=0, description="Most tools in one chat request.")
+    strict_tools: bool = Field(
+        default=False,
+        description="Refuse (400) a Responses request offering tools izh cannot run (web_search, "
+        "file_search, code_interpreter, ...); off, they are skipped, logged and named in the "
+        "x-izh-skipped-tools response header.",
+    )
     max_schema_bytes: Annotated[int, ByteSize] = Field(
         default=64 * 2**10,
         gt=0,

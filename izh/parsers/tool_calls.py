@@ -40,7 +40,7 @@ from __future__ import annotations
 import secrets
 import string
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -128,6 +128,11 @@ class ToolParser(ABC):
         self._open: _OpenCall | None = None
         self.done = False
         """The message is over (its last allowed call, or a repeat): stop generating."""
+
+    @property
+    def call_open(self) -> bool:
+        """A call has begun and its arguments are not complete yet."""
+        return self._open is not None
 
     def limit_calls(self, max_calls: int | None, *, drop_repeats: bool) -> None:
         """End the message after `max_calls` calls, and (`drop_repeats`) at a repeated call, as
@@ -223,13 +228,20 @@ class CallBody:
     """One call object's text as it grows, turned into call deltas by `parser`.
 
     A body that starts `{"name": "<name>", "<arguments key>": {` streams (see the module docstring);
-    any other waits for its end and is parsed whole.
+    any other waits for its end and is parsed whole. With `accept`, only a body that streams, to a
+    name `accept` takes, is a call: any other is `rejected` as soon as that shows.
     """
 
-    def __init__(self, parser: ToolParser, argument_keys: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        parser: ToolParser,
+        argument_keys: tuple[str, ...],
+        accept: Callable[[str], bool] | None = None,
+    ) -> None:
         self._parser = parser
         self._argument_keys = argument_keys
-        self._state = "header"  # → "arguments" → "after"; or "header" → "whole"
+        self._accept = accept
+        self._state = "header"  # → "arguments" → "after"; or "header" → "whole" | "rejected"
         self._arguments = ObjectScanner()
         self._emitted = 0  # the end of the arguments text sent so far
 
@@ -238,12 +250,19 @@ class CallBody:
         """The body is a call since its header: it can no longer be content."""
         return self._state in ("arguments", "after")
 
+    @property
+    def rejected(self) -> bool:
+        """The body is no call `accept` takes (only with `accept`)."""
+        return self._state == "rejected"
+
     def update(self, body: str, out: list[Delta]) -> None:
         """`body` is the text so far; each call sees the previous one's text extended."""
         if self._state == "header":
             header = call_header(body, self._argument_keys)
             if header is False:
-                self._state = "whole"
+                self._state = "whole" if self._accept is None else "rejected"
+            elif header is not True and self._accept is not None and not self._accept(header[0]):
+                self._state = "rejected"
             elif header is not True:
                 name, start = header
                 out.extend(self._parser._begin_call(name))
@@ -269,6 +288,8 @@ class CallBody:
             self._state = "after"
         if self.streamed or self._parser.done:
             return True
+        if self._accept is not None:
+            return False
         call = parse_call(body, self._argument_keys)
         if call is None:
             return False

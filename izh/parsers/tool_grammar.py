@@ -1,5 +1,7 @@
 """Forcing tool calls (tool_choice "required" or a named tool): a grammar of Hermes blocks whose JSON
-matches a tool's parameters, and nothing else.
+matches a tool's parameters, and nothing else. With tool_choice "auto" (`auto_tool_call_grammar`):
+either text without a `<tool_call>` tag, or text then such blocks, so a call the model starts is
+always well-formed and never left as text.
 
 A named tool gets exactly one call (OpenAI's behaviour), after which the grammar ends, and so does
 the message. "required" gets one call, or with parallel calls allowed one or more separated by
@@ -48,6 +50,46 @@ def tool_call_grammar(
     spec = StructuredOutputsParams(grammar=grammar)
     validate_spec(spec, param="tools")
     return spec
+
+
+def auto_tool_call_grammar(
+    tools: Sequence[Mapping[str, Any]] | None, parallel_tool_calls: bool | None = True
+) -> StructuredOutputsParams | None:
+    """tool_choice "auto" in Hermes' format: a plain answer (any text without the start tag), or
+    any text, then the start tag opening calls as `tool_call_grammar` forces them for "required"
+    (one, or with parallel calls one or more separated by newlines), and nothing after them.
+    None without tools. Raises InvalidRequest naming tools for invalid parameters.
+    """
+    functions = _functions(tools)
+    if not functions:
+        return None
+    schemas = [_call_schema(function) for function in functions.values()]
+    schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    schema["x-guidance"] = {"whitespace_pattern": JSON_WHITESPACE_PATTERN}
+    tag = _lark_regex_text(HERMES_START)
+    close = lark_literal("\n" + HERMES_END)
+    more = "" if parallel_tool_calls is False else f'("\\n" {lark_literal(HERMES_START)} call)*'
+    grammar = "\n".join(
+        [
+            f"start: IZH_PLAIN | izh_text_then_tag call {more}",
+            f'call: "\\n" call_json {close}',
+            # The plain answer has no start tag anywhere; the lazy lexeme ends at the first one.
+            rf"IZH_PLAIN: /(.|\n)*/ & ~/(.|\n)*{tag}(.|\n)*/",
+            rf"izh_text_then_tag[lazy]: /(.|\n)*{tag}/",
+            f"call_json: %json {json.dumps(schema, ensure_ascii=False)}",
+        ]
+    )
+    spec = StructuredOutputsParams(grammar=grammar + "\n")
+    validate_spec(spec, param="tools")
+    return spec
+
+
+def _lark_regex_text(text: str) -> str:
+    """`text` as a literal inside a Lark /regex/."""
+    return "".join(f"\\{char}" if char in _REGEX_SPECIAL else char for char in text)
+
+
+_REGEX_SPECIAL = frozenset("\\.^$*+?()[]{}|/-")
 
 
 def _functions(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Mapping[str, Any]]:

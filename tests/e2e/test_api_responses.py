@@ -9,7 +9,7 @@ function_call / function_call_output items, structured output (`responses.parse`
 model, json_object), previous_response_id (the same prompt as the explicit history, instructions not
 carried over), GET / DELETE / input_items of stored responses, LRU eviction, per-key scoping, the
 `[limits]` on `input`, metrics and the request log, reasoning items from a thinking template, and
-400s naming every field izh cannot honour. With SmolLM2 (slow): a tool round trip with a sensible
+400s naming every field izh cannot honour (the leniencies coding agents need: test_api_responses_agents). With SmolLM2 (slow): a tool round trip with a sensible
 answer.
 """
 
@@ -499,12 +499,21 @@ def test_unknown_ids_are_404s_in_openais_format(server: ApiServer) -> None:
     [
         ({"background": True}, "background"),
         ({"conversation": "conv_1"}, "conversation"),
-        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"tools": [{"type": "namespace", "name": "ns"}]}, "tools.0"),
+        (
+            {"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]},
+            "tools.0.tools.0.type",
+        ),
         ({"tools": [{"type": "function"}]}, "tools.0.name"),
         ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
-        ({"include": ["reasoning.encrypted_content"]}, "include.0"),
-        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
-        ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+        ({"include": ["file_search_call.results"]}, "include.0"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+        ({"reasoning": {"summary": "long"}}, "reasoning.summary"),
+        ({"service_tier": "gold"}, "service_tier"),
+        (
+            {"input": [{"type": "reasoning", "encrypted_content": "forged", "summary": []}]},
+            "input.0.encrypted_content",
+        ),
         ({"truncation": "auto"}, "truncation"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
         (

@@ -12,6 +12,7 @@ from izh.api.common.chat_protocol import (
 )
 from izh.api.common.state import ApiState
 from izh.parsers.hermes import HermesToolParser
+from izh.parsers.loose import LooseToolParser
 from izh.parsers.reasoning import REASONING_PARSERS, ThinkReasoningParser
 from izh.parsers.tool_calls import ContentDelta, Delta, ToolParser
 from izh.parsers.tools import select_tool_parser
@@ -110,6 +111,8 @@ class ChatContext:
     include_usage: bool
     continuous_usage: bool
     tool_parser: type[ToolParser] | None = None
+    loose_tool_names: frozenset[str] | None = None
+    """With tool_choice "auto": the offered tools, whose calls wrapped wrong count too (LooseToolParser)."""
     forced_tool_calls: bool = False
     max_tool_calls: int | None = None
     parsers: dict[int, ChoiceParsers] = field(default_factory=dict)
@@ -122,9 +125,12 @@ class ChatContext:
         reasoning = None
         if self.parser_name is not None:
             reasoning = REASONING_PARSERS[self.parser_name](starts_in_reasoning=self.starts_in_reasoning)
+        tools = self.tool_parser() if self.tool_parser is not None else None
+        if tools is not None and self.loose_tool_names is not None:
+            tools = LooseToolParser(tools, self.loose_tool_names)
         return ChoiceParsers(
             reasoning=reasoning,
-            tools=self.tool_parser() if self.tool_parser is not None else None,
+            tools=tools,
             forced=self.forced_tool_calls,
             max_calls=self.max_tool_calls,
         )

@@ -40,6 +40,7 @@ from izh.api.common.chat_protocol import (
 from izh.api.common.constraints import (
     Constraint,
     answer_constraint,
+    auto_tool_constraint,
     effective_tool_choice,
     requested_constraints,
     single_constraint,
@@ -58,6 +59,7 @@ from izh.api.common.state import (
     request_id_of,
 )
 from izh.errors import InvalidRequest
+from izh.parsers.hermes import HermesToolParser
 from izh.parsers.reasoning import prompt_ends_in_reasoning
 from izh.sampling_params import MAX_LOGPROBS
 
@@ -149,6 +151,11 @@ async def prepare_chat(
         ctx.model = lora_name
     ctx.tool_parser = chat_tool_parser(state, tool_choice, tools_on, prompt)
     ctx.forced_tool_calls = tool_constraint is not None
+    if ctx.tool_parser is not None and tool_choice == "auto":
+        ctx.loose_tool_names = frozenset(tool.function.name for tool in body.tools or [])
+        # Hermes calls can be held well-formed while leaving text free; another constraint wins.
+        if constraint is None and ctx.tool_parser is HermesToolParser:
+            constraint = auto_tool_constraint(body)
     ctx.max_tool_calls = 1 if body.parallel_tool_calls is False else None
     if constraint is not None:
         constraint = await answer_constraint(

@@ -33,7 +33,7 @@ from izh.guided_spec import (
     validate_spec,
 )
 from izh.parsers.reasoning import THINK_END
-from izh.parsers.tool_grammar import tool_call_grammar
+from izh.parsers.tool_grammar import auto_tool_call_grammar, tool_call_grammar
 from izh.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -267,3 +267,10 @@ def tool_call_constraint(
     choice = tool_choice.model_dump() if isinstance(tool_choice, NamedToolChoice) else tool_choice
     spec = tool_call_grammar(tools, choice, body.parallel_tool_calls)
     return None if spec is None else Constraint(spec, "tool_choice")
+
+
+def auto_tool_constraint(body: ChatCompletionRequest) -> Constraint | None:
+    """tool_choice "auto" with Hermes calls: text, or well-formed calls (auto_tool_call_grammar)."""
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+    spec = auto_tool_call_grammar(tools, body.parallel_tool_calls)
+    return None if spec is None else Constraint(spec, "tools")

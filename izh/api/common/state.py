@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from izh.api.common.protocol import RequestModel, parse_body
+from izh.api.responses.reasoning import ReasoningSeal
 from izh.api.responses.store import ResponseStore
 from izh.errors import EngineDead, InvalidRequest, ModelNotFound, Overloaded
 from izh.settings import LimitSettings
@@ -46,6 +47,8 @@ class ApiState:
     ll_tokenizer_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     responses_store: ResponseStore = field(default_factory=ResponseStore)
     """The stored responses of /v1/responses (`store: true`), bounded by server.responses_store_max."""
+    reasoning_seal: ReasoningSeal = field(default_factory=ReasoningSeal.generated)
+    """Seals the reasoning items' encrypted_content (a key made at start: tokens die with the process)."""
     limits: LimitSettings = field(default_factory=LimitSettings)
     """The `[limits]` section (the image limits are read by the routes; the rest by the guard)."""
     allow_lora_updating: bool = False

@@ -14,7 +14,9 @@ item references, built-in tool calls, encrypted reasoning) is a 400 naming the i
 
 from __future__ import annotations
 
+import json
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from izh.api.common.chat_protocol import (
@@ -50,8 +52,14 @@ def _item_id(item: dict[str, Any], kind: str) -> str:
     return value if isinstance(value, str) and value else new_item_id(kind)
 
 
-def normalize_input(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`input` as a list of items in OpenAI's shapes (ids added), or a 400 naming what is refused."""
+def normalize_input(
+    value: str | list[dict[str, Any]], open_sealed: Callable[[str, str], str] | None = None
+) -> list[dict[str, Any]]:
+    """`input` as a list of items in OpenAI's shapes (ids added), or a 400 naming what is refused.
+
+    `open_sealed(token, param)`: a reasoning item's encrypted_content, opened (izh.api.responses.reasoning).
+    A custom_tool_call is the function call it ran as (arguments {"input": ...}), its output a
+    function_call_output."""
     if isinstance(value, str):
         return [_message_item({"role": "user", "content": value}, "input.0")]
     items = []
@@ -71,18 +79,30 @@ def normalize_input(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "status": "completed",
                 }
             )
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":
+            arguments = json.dumps({"input": _text(item, "input", param)}, ensure_ascii=False)
+            call = {"call_id": _text(item, "call_id", param), "name": _text(item, "name", param)}
             items.append(
                 {
-                    "id": _item_id(item, kind),
-                    "type": kind,
+                    "id": _item_id(item, "function_call"),
+                    "type": "function_call",
+                    **call,
+                    "arguments": arguments,
+                    "status": "completed",
+                }
+            )
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            items.append(
+                {
+                    "id": _item_id(item, "function_call_output"),
+                    "type": "function_call_output",
                     "call_id": _text(item, "call_id", param),
                     "output": _output_text(item.get("output"), f"{param}.output"),
                     "status": "completed",
                 }
             )
         elif kind == "reasoning":
-            items.append(_reasoning_item(item, param))
+            items.append(_reasoning_item(item, param, open_sealed))
         else:
             raise _refuse(
                 f"{param}.type",
@@ -163,15 +183,18 @@ def _output_text(output: Any, param: str) -> str:
     raise _refuse(param, "expected a string or a list of input_text parts")
 
 
-def _reasoning_item(item: dict[str, Any], param: str) -> dict[str, Any]:
-    if item.get("encrypted_content") is not None:
-        raise _refuse(
-            f"{param}.encrypted_content",
-            "encrypted reasoning is not supported (izh never encrypts it); send its text as content",
-            code="unsupported",
-        )
+def _reasoning_item(
+    item: dict[str, Any], param: str, open_sealed: Callable[[str, str], str] | None
+) -> dict[str, Any]:
+    sealed = item.get("encrypted_content")
     texts: list[str] = []
+    if sealed is not None:
+        if not isinstance(sealed, str) or open_sealed is None:
+            raise _refuse(f"{param}.encrypted_content", "expected the encrypted_content izh sent")
+        texts.append(open_sealed(sealed, f"{param}.encrypted_content"))
     for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        if texts:
+            break  # the sealed text is the reasoning itself
         parts = item.get(key) or []
         if not isinstance(parts, list):
             raise _refuse(f"{param}.{key}", "expected a list of text parts")
@@ -214,6 +237,9 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[ChatMessageParam]:
     # The assistant turn that function calls join (None once anything else came after it).
     turn: ChatMessageParam | None = None
     for item in items:
+        if item["type"] == "custom_tool_call":  # a stored output item: the function call it ran as
+            arguments = json.dumps({"input": item["input"]}, ensure_ascii=False)
+            item = {**item, "type": "function_call", "arguments": arguments}
         kind = item["type"]
         if kind == "reasoning":
             text = _joined(item["content"])

@@ -35,7 +35,7 @@ class TextConfig(RequestBase):
 
 
 class ReasoningConfig(RequestBase):
-    """`reasoning`: izh neither budgets nor summarizes the model's thinking; only nulls are accepted."""
+    """`reasoning`: what each value does here is izh.api.responses.reasoning's docstring."""
 
     effort: str | None = None
     summary: str | None = None
@@ -124,6 +124,7 @@ class ReasoningItem(BaseModel):
     type: Literal["reasoning"] = "reasoning"
     summary: list[Any] = Field(default_factory=list)
     content: list[ReasoningText]
+    encrypted_content: str | None = None
     status: ItemStatus
 
 
@@ -134,9 +135,20 @@ class FunctionCallItem(BaseModel):
     name: str
     arguments: str
     status: ItemStatus
+    namespace: str | None = None
+    """The namespace tool the function came from (izh.api.responses.tools)."""
 
 
-OutputItem = OutputMessage | ReasoningItem | FunctionCallItem
+class CustomToolCallItem(BaseModel):
+    id: str
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+    call_id: str
+    name: str
+    input: str
+    status: ItemStatus
+
+
+OutputItem = OutputMessage | ReasoningItem | FunctionCallItem | CustomToolCallItem
 
 
 # --- the Response object ---------------------------------------------------------------------------
@@ -200,6 +212,7 @@ class ResponseObject(BaseModel):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    service_tier: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
 
 

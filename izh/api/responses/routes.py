@@ -3,15 +3,17 @@
 
 A request becomes the chat request it means: `instructions` a system message first, the stored
 conversation of `previous_response_id` (its instructions not carried over, as OpenAI does) and the
-`input` items as chat messages (izh.api.responses.items), flat function tools as chat's tools,
+`input` items as chat messages (izh.api.responses.items), the tools as chat's (izh.api.responses.tools:
+namespaces flattened, custom tools as one-string functions, hosted tools skipped and named in the
+x-izh-skipped-tools header),
 `text.format` as response_format, `max_output_tokens` as max_completion_tokens. Then chat's
 `prepare_chat` renders, constrains and admits it, and izh.api.responses.stream builds the output
 items and events with chat's parsers. A refusal from chat's machinery names the Responses field
 (`input`, `text.format`, `max_output_tokens`, `tools.0.parameters`).
 
-Fields izh cannot honour (background, conversation, prompt, built-in tools, reasoning effort or
-summaries, truncation "auto", include values other than message.output_text.logprobs, ...) are 400s
-naming the field. Logprobs come with `include: ["message.output_text.logprobs"]` or a `top_logprobs`
+Fields izh cannot honour (background, conversation, prompt, truncation "auto", include values other
+than message.output_text.logprobs and reasoning.encrypted_content, ...) are 400s naming the field;
+`reasoning` is izh.api.responses.reasoning's. Logprobs come with `include: ["message.output_text.logprobs"]` or a `top_logprobs`
 (either asks for them). Stored responses (izh.api.responses.store) belong to the API key that made them.
 """
 
@@ -46,11 +48,12 @@ from izh.api.responses.protocol import (
     ResponseObject,
     ResponsesRequest,
 )
+from izh.api.responses.reasoning import ENCRYPTED_CONTENT_INCLUDE
 from izh.api.responses.store import StoredResponse
 from izh.api.responses.stream import ResponseContext, collect_response, response_events
+from izh.api.responses.tools import SKIPPED_TOOLS_HEADER, responses_tools
 from izh.api.responses.translate import (
     chat_request,
-    chat_tools,
     check_responses_request,
     image_part_param,
     renamed,
@@ -89,17 +92,18 @@ async def create_response(request: Request) -> Response:
     conversation: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         conversation = list(_stored(state, body.previous_response_id, "previous_response_id").conversation)
-    input_items = normalize_input(body.input)
+    input_items = normalize_input(body.input, state.reasoning_seal.open)
     conversation += input_items
     messages = items_to_messages(conversation)
     if body.instructions:
         messages.insert(0, ChatMessageParam(role="system", content=body.instructions))
     if not messages:
         raise InvalidRequest("input must not be empty", param="input")
-    tools, echoed_tools = chat_tools(body.tools)
+    request_id = request_id_of(request)
+    offered = responses_tools(body.tools, strict=state.limits.strict_tools, request_id=request_id)
+    tools = offered.chat or None
     fmt, echoed_format = response_format(body.text.format if body.text is not None else None)
     chat_body = chat_request(body, messages, tools, fmt)
-    request_id = request_id_of(request)
     response_id = f"resp_{secrets.token_hex(24)}"
     defaults = state.sampling_defaults
     base = ResponseObject(
@@ -117,7 +121,9 @@ async def create_response(request: Request) -> Response:
         top_logprobs=body.top_logprobs,
         text={"format": echoed_format},
         tool_choice=body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none"),
-        tools=echoed_tools,
+        tools=offered.echoed,
+        reasoning=body.reasoning.model_dump(exclude_none=True) if body.reasoning is not None else None,
+        service_tier="default" if body.service_tier is not None else None,
         user=body.user,
         safety_identifier=body.safety_identifier,
         prompt_cache_key=body.prompt_cache_key,
@@ -151,9 +157,14 @@ async def create_response(request: Request) -> Response:
         top_logprobs=chat_body.top_logprobs,
         request_id=request_id,
         on_final=store if body.store else None,
+        summary=body.reasoning is not None
+        and (body.reasoning.summary or body.reasoning.generate_summary) is not None,
+        seal=state.reasoning_seal.seal if ENCRYPTED_CONTENT_INCLUDE in (body.include or []) else None,
+        namespaces=offered.namespaces,
+        custom_tools=frozenset(offered.custom),
     )
     children = chat.children
-    return await respond(
+    response = await respond(
         request,
         children,
         stream=body.stream,
@@ -162,6 +173,9 @@ async def create_response(request: Request) -> Response:
         keepalive_s=state.sse_keepalive_s,
         request_id=request_id,
     )
+    if offered.skipped:
+        response.headers[SKIPPED_TOOLS_HEADER] = ", ".join(offered.skipped)
+    return response
 
 
 def _refuse_query(request: Request, *names: str) -> None:

@@ -27,6 +27,7 @@ from izh.api.common.fanout import Child, UsageCounter, merge_outputs
 from izh.api.common.logprobs import chat_logprobs
 from izh.api.responses.items import new_item_id
 from izh.api.responses.protocol import (
+    CustomToolCallItem,
     FunctionCallItem,
     IncompleteDetails,
     InputTokensDetails,
@@ -59,6 +60,12 @@ class ResponseContext:
     top_logprobs: int | None
     request_id: str
     on_final: Callable[[ResponseObject], None] | None = None
+    summary: bool = False
+    """reasoning.summary asked for: the reasoning text is also the item's summary (and its events)."""
+    seal: Callable[[str], str] | None = None
+    """include reasoning.encrypted_content: seals a reasoning item's text."""
+    namespaces: dict[str, str] = field(default_factory=dict)
+    custom_tools: frozenset[str] = frozenset()
 
 
 def _event(payload: dict[str, Any]) -> bytes:
@@ -167,6 +174,9 @@ class OutputBuilder:
             self._send(
                 {"type": "response.output_item.added", "output_index": item.index, "item": added.model_dump()}
             )
+            if kind == "reasoning" and self.ctx.summary:
+                added.summary = []  # type: ignore[union-attr]
+                self._summary_event(item, "added", "")
             if kind != "function_call":
                 self._send(
                     {
@@ -182,15 +192,21 @@ class OutputBuilder:
     def _reasoning(self, text: str) -> None:
         item = self._open_item("reasoning")
         item.parts.append(text)
-        self._send(
-            {
-                "type": "response.reasoning_text.delta",
-                "item_id": item.id,
-                "output_index": item.index,
-                "content_index": 0,
-                "delta": text,
-            }
-        )
+        where = {"item_id": item.id, "output_index": item.index}
+        self._send({"type": "response.reasoning_text.delta", **where, "content_index": 0, "delta": text})
+        if self.ctx.summary:
+            self._send(
+                {"type": "response.reasoning_summary_text.delta", **where, "summary_index": 0, "delta": text}
+            )
+
+    def _summary_event(self, item: _OpenItem, kind: str, text: str) -> None:
+        """response.reasoning_summary_part.added/.done and response.reasoning_summary_text.done."""
+        where = {"item_id": item.id, "output_index": item.index, "summary_index": 0}
+        part = {"type": "summary_text", "text": text}
+        if kind == "text.done":
+            self._send({"type": "response.reasoning_summary_text.done", **where, "text": text})
+        else:
+            self._send({"type": f"response.reasoning_summary_part.{kind}", **where, "part": part})
 
     def _delta(self, delta: Delta, logprobs: list[OutputLogprob] | None) -> None:
         if isinstance(delta, ContentDelta):
@@ -217,6 +233,8 @@ class OutputBuilder:
             assert item is not None and item.kind == "function_call"
         if delta.arguments:
             item.parts.append(delta.arguments)
+            if item.name in self.ctx.custom_tools:
+                return  # a custom tool's input is sent whole, in its item
             self._send(
                 {
                     "type": "response.function_call_arguments.delta",
@@ -237,12 +255,33 @@ class OutputBuilder:
 
     def _item(self, item: _OpenItem, status: ItemStatus) -> OutputItem:
         if item.kind == "function_call":
+            arguments = "".join(item.parts)
+            if item.name in self.ctx.custom_tools:
+                return CustomToolCallItem(
+                    id=item.id,
+                    call_id=item.call_id,
+                    name=item.name,
+                    input=custom_input(arguments),
+                    status=status,
+                )
+            namespace = self.ctx.namespaces.get(item.name)
             return FunctionCallItem(
-                id=item.id, call_id=item.call_id, name=item.name, arguments="".join(item.parts), status=status
+                id=item.id,
+                call_id=item.call_id,
+                name=item.name,
+                arguments=arguments,
+                status=status,
+                namespace=namespace,
             )
         part = self._part(item)
         if isinstance(part, ReasoningText):
-            return ReasoningItem(id=item.id, content=[part], status=status)
+            summary = [{"type": "summary_text", "text": part.text}] if self.ctx.summary else []
+            sealed = (
+                self.ctx.seal(part.text) if self.ctx.seal is not None and status != "in_progress" else None
+            )
+            return ReasoningItem(
+                id=item.id, content=[part], summary=summary, encrypted_content=sealed, status=status
+            )
         return OutputMessage(id=item.id, content=[part], status=status)
 
     def _close(self, status: ItemStatus) -> None:
@@ -253,7 +292,9 @@ class OutputBuilder:
         if not self.emit:
             return
         where = {"item_id": item.id, "output_index": item.index}
-        if isinstance(done, FunctionCallItem):
+        if isinstance(done, CustomToolCallItem):
+            pass  # sent whole in output_item.done
+        elif isinstance(done, FunctionCallItem):
             self._send(
                 {
                     "type": "response.function_call_arguments.done",
@@ -268,6 +309,9 @@ class OutputBuilder:
                 self._send(
                     {"type": "response.reasoning_text.done", **where, "content_index": 0, "text": part.text}
                 )
+                if self.ctx.summary:
+                    self._summary_event(item, "text.done", part.text)
+                    self._summary_event(item, "done", part.text)
             else:
                 logprobs = [entry.model_dump() for entry in part.logprobs or ()]
                 self._send(
@@ -329,6 +373,16 @@ class OutputBuilder:
             self.ctx.on_final(response)
         self._send({"type": event, "response": response.model_dump()})
         return response
+
+
+def custom_input(arguments: str) -> str:
+    """A custom tool's input from the arguments of the function it runs as ({"input": "..."})."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments  # cut off (max_output_tokens): the text as written
+    text = value.get("input") if isinstance(value, dict) else None
+    return text if isinstance(text, str) else arguments
 
 
 async def response_events(ctx: ResponseContext, children: list[Child]) -> AsyncIterator[bytes]:

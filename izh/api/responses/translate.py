@@ -16,7 +16,6 @@ import pydantic
 from izh.api.common.chat_protocol import (
     ChatCompletionRequest,
     ChatMessageParam,
-    FunctionDefinition,
     NamedToolChoice,
     NamedToolChoiceFunction,
     ToolParam,
@@ -30,10 +29,13 @@ from izh.api.responses.protocol import (
     ResponsesRequest,
     TextFormat,
 )
+from izh.api.responses.reasoning import ENCRYPTED_CONTENT_INCLUDE, check_reasoning
 from izh.errors import InvalidRequest
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 """The one `include` value izh produces: the output text's logprobs."""
+SERVICE_TIERS = ("auto", "default", "flex", "priority", "scale")
+"""Accepted: izh has one tier, and the Response says "default"."""
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
@@ -60,8 +62,8 @@ def check_responses_request(body: ResponsesRequest) -> None:
         ),
         (
             "service_tier",
-            body.service_tier not in (None, "auto", "default"),
-            f"service tier {body.service_tier!r} is not offered (auto or default only)",
+            body.service_tier not in (None, *SERVICE_TIERS),
+            f"expected one of {', '.join(SERVICE_TIERS)}, got {body.service_tier!r}",
         ),
         (
             "prompt_cache_retention",
@@ -84,30 +86,17 @@ def check_responses_request(body: ResponsesRequest) -> None:
             "stream obfuscation is not supported",
         ),
     ]
-    if body.reasoning is not None:
-        refusals += [
-            (
-                "reasoning.effort",
-                body.reasoning.effort is not None,
-                "reasoning effort cannot be controlled for this model",
-            ),
-            (
-                "reasoning.summary",
-                body.reasoning.summary is not None,
-                "reasoning summaries are not generated",
-            ),
-            (
-                "reasoning.generate_summary",
-                body.reasoning.generate_summary is not None,
-                "reasoning summaries are not generated",
-            ),
-        ]
     for param, refused, message in refusals:
         if refused:
             raise unsupported(param, message)
+    if body.reasoning is not None:
+        check_reasoning(body.reasoning.effort, body.reasoning.summary, body.reasoning.generate_summary)
     for index, value in enumerate(body.include or []):
-        if value != LOGPROBS_INCLUDE:
-            raise unsupported(f"include.{index}", f"{value!r} is not supported (only {LOGPROBS_INCLUDE!r})")
+        if value not in (LOGPROBS_INCLUDE, ENCRYPTED_CONTENT_INCLUDE):
+            raise unsupported(
+                f"include.{index}",
+                f"{value!r} is not supported (only {LOGPROBS_INCLUDE!r} and {ENCRYPTED_CONTENT_INCLUDE!r})",
+            )
     _check_metadata(body.metadata)
 
 
@@ -130,30 +119,6 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
 # --- the request → chat's request -------------------------------------------------------------------
 
 
-def chat_tools(tools: list[dict[str, Any]] | None) -> tuple[list[ToolParam] | None, list[dict[str, Any]]]:
-    """Chat's tools for the flat Responses function tools, and the tools as the Response echoes them."""
-    if not tools:
-        return None, []
-    chat_tools: list[ToolParam] = []
-    echoed: list[dict[str, Any]] = []
-    for index, tool in enumerate(tools):
-        kind = tool.get("type")
-        if kind != "function":
-            raise unsupported(
-                f"tools.{index}.type", f"tools of type {kind!r} are not supported (function tools only)"
-            )
-        fields = {key: tool.get(key) for key in ("name", "description", "parameters", "strict")}
-        try:
-            function = FunctionDefinition.model_validate(fields)
-        except pydantic.ValidationError as exc:
-            error = validation_error_to_invalid_request(exc)
-            param = f"tools.{index}.{error.param}" if error.param else f"tools.{index}"
-            raise InvalidRequest(f"tools.{index}.{error.message}", param=param) from None
-        chat_tools.append(ToolParam(function=function))
-        echoed.append({"type": "function", **function.model_dump()})
-    return chat_tools, echoed
-
-
 def _chat_tool_choice(
     choice: str | dict[str, Any] | None,
 ) -> Literal["none", "auto", "required"] | NamedToolChoice | None:
@@ -162,7 +127,7 @@ def _chat_tool_choice(
     for option in ("auto", "none", "required"):
         if choice == option:
             return option
-    if isinstance(choice, dict) and choice.get("type") == "function":
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         name = choice.get("name")
         if not isinstance(name, str):
             raise InvalidRequest("tool_choice.name: expected the function's name", param="tool_choice.name")
@@ -287,6 +252,10 @@ def chat_request(
             logprobs=logprobs,
             top_logprobs=(body.top_logprobs or 0) if logprobs else None,
             stream=body.stream,
+            # effort "none": no thinking, for templates that know the switch (izh.api.responses.reasoning).
+            chat_template_kwargs={"enable_thinking": False}
+            if body.reasoning is not None and body.reasoning.effort == "none"
+            else None,
         )
     except pydantic.ValidationError as exc:
         raise renamed(validation_error_to_invalid_request(exc)) from None
