@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -232,6 +233,8 @@ class EngineCore:
         if spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size:
             return
         grammar = self._grammar
+        # The step's rows stay within what the fused decode stack takes, so that each is a decode's row.
+        rows_left = (self.runner.max_decode_rows or sys.maxsize) - len(running)
         for request in running:
             if request.num_tokens - request.num_computed_tokens != 1 or not self._may_draft(request, grammar):
                 continue
@@ -239,8 +242,10 @@ class EngineCore:
             room = min(
                 request.max_tokens - request.num_output_tokens - 1,
                 self.max_model_len - request.num_tokens,
+                rows_left,
             )
             request.spec_token_ids = proposer.propose(request.all_token_ids, room)
+            rows_left -= len(request.spec_token_ids)
 
     @staticmethod
     def _may_draft(request: Request, grammar: GrammarManager | None) -> bool:

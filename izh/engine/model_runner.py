@@ -326,6 +326,14 @@ class ModelRunner:
         return runner
 
     @property
+    def max_decode_rows(self) -> int | None:
+        """The most single-token rows a decode step runs through the fused C decode stack (None: no
+        stack). Speculative verification stays within it: past it the step runs through the modules,
+        whose bfloat16 matmuls over more than a few rows are not the decode's (another row order)."""
+        stack = getattr(self.model, "fused_stack", None) if not self.is_encoder else None
+        return None if stack is None else stack.max_tokens
+
+    @property
     def num_local_kv_heads(self) -> int:
         """The KV heads this rank's cache holds (all of them without tensor parallelism)."""
         world = self.tp_runtime.tp.world_size if self.tp_runtime is not None else 1
