@@ -264,3 +264,19 @@ def test_smollm2_greedy_identical_on_every_cpu_variant(smollm2_gguf: str, varian
             assert 0 < accepted < drafted
         del llm
     assert results[1] == results[0]
+
+
+def test_lora_requests_with_drafts_match(tiny_llama_dir: str, tmp_path) -> None:
+    """Adapter and base requests in one batch, drafting: the same tokens as without drafts."""
+    from tests.fixtures.lora import build_peft_adapter
+
+    adapter = build_peft_adapter(tiny_llama_dir, tmp_path / "r8", r=8, alpha=16, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    names = ["a", None, "a", None]
+    results = []
+    for speculative in (None, ALWAYS):
+        llm = _llm(tiny_llama_dir, speculative, lora_modules={"a": adapter})
+        results.append(_tokens(llm.generate(PROMPTS[:4], params, lora_name=names)))
+        if speculative is not None:
+            assert _spec_counts(llm)[1] > 0
+    assert results[1] == results[0]
