@@ -236,7 +236,7 @@ class EngineCore:
         # The step's rows stay within what the fused decode stack takes, so that each is a decode's row.
         rows_left = (self.runner.max_decode_rows or sys.maxsize) - len(running)
         for request in running:
-            if request.num_tokens - request.num_computed_tokens != 1 or not self._may_draft(request, grammar):
+            if request.num_tokens - request.num_computed_tokens != 1 or not self._may_draft(request):
                 continue
             # Room for the drafts and the token after them: max_tokens, and KV slots within max_model_len.
             room = min(
@@ -244,19 +244,20 @@ class EngineCore:
                 self.max_model_len - request.num_tokens,
                 rows_left,
             )
-            request.spec_token_ids = proposer.propose(request.all_token_ids, room)
-            rows_left -= len(request.spec_token_ids)
+            draft = proposer.propose(request.all_token_ids, room)
+            if draft and grammar is not None and grammar.has_grammar(request.request_id):
+                draft = draft[: grammar.valid_draft_length(request.request_id, draft)]
+            request.spec_token_ids = draft
+            rows_left -= len(draft)
 
     @staticmethod
-    def _may_draft(request: Request, grammar: GrammarManager | None) -> bool:
-        """Drafts go to generating requests that did not opt out; a structured output's request draws
-        none (its grammar's matcher would have to check each draft token before verification)."""
-        params = request.sampling_params
+    def _may_draft(request: Request) -> bool:
+        """Drafts go to generating requests that did not opt out (a structured output's drafts are cut
+        where its grammar rejects a token, before they are verified)."""
         return (
-            params.speculative_decoding
+            request.sampling_params.speculative_decoding
             and not request.is_pooling
             and not request.is_prompt_only
-            and (grammar is None or not grammar.has_grammar(request.request_id))
         )
 
     def _record_prompt_logprobs(

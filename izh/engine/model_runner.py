@@ -697,15 +697,18 @@ class ModelRunner:
     ) -> None:
         """Sample every sampling request's token; a request verifying drafts gets its accepted drafts
         and one token of the target's own (izh.engine.spec_decode)."""
+        drafts = [scheduled[i].spec_token_ids for i, _, _ in sample_rows]
         if grammar is not None and grammar.num_requests:
-            ids: list[str | None] = []
-            for i, _, num_rows in sample_rows:
-                request_id = scheduled[i].request.request_id
-                has_grammar = grammar.has_grammar(request_id)
-                if has_grammar and num_rows > 1:
-                    raise AssertionError(f"request {request_id} has a grammar and drafts")
-                ids.append(request_id if has_grammar else None)
-            bitmask = grammar.fill_bitmask(ids)
+            ids: list[str | None] = [
+                r if grammar.has_grammar(r) else None
+                for r in (scheduled[i].request.request_id for i, _, _ in sample_rows)
+            ]
+            if len(logits) > len(sample_rows):
+                # A row per draft position; a draft the grammar rejects ends its request's rows there.
+                bitmask, lengths = grammar.fill_bitmask_drafts(list(zip(ids, drafts, strict=True)))
+                drafts = [d[:n] for d, n in zip(drafts, lengths, strict=True)]
+            else:
+                bitmask = grammar.fill_bitmask(ids)
             if bitmask is not None:
                 apply_bitmask(logits, bitmask)
         rows = []
@@ -729,7 +732,7 @@ class ModelRunner:
                 )
         metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
         if len(rows) > len(sample_rows):
-            self._verify(scheduled, sample_rows, logits, metadata, out)
+            self._verify(scheduled, sample_rows, drafts, logits, metadata, out)
             return
         result = self.sampler(logits, metadata)
         for k, (batch_index, _, _) in enumerate(sample_rows):
@@ -751,6 +754,7 @@ class ModelRunner:
         self,
         scheduled: list[ScheduledRequest],
         sample_rows: list[tuple[int, int, int]],
+        drafts: list[list[int]],
         logits: torch.Tensor,
         metadata: SamplingMetadata,
         out: RunnerOutput,
@@ -760,18 +764,17 @@ class ModelRunner:
         raw_logprobs, greedy, probs = self.sampler.distributions(logits, metadata)
         greedy_ids = greedy.tolist() if greedy is not None else None
         row = 0
-        for batch_index, _, num_rows in sample_rows:
-            s = scheduled[batch_index]
-            req = s.request
+        for (batch_index, _, num_rows), draft in zip(sample_rows, drafts, strict=True):
+            req = scheduled[batch_index].request
             params = req.sampling_params
-            draft = s.spec_token_ids
+            used = len(draft) + 1  # a grammar may have cut the draft: the rows past it go unused
             if params.is_greedy:
                 assert greedy_ids is not None
-                result = verify_greedy(greedy_ids[row : row + num_rows], draft)
+                result = verify_greedy(greedy_ids[row : row + used], draft)
             else:
                 assert probs is not None
                 generator = self._generator(req.request_id, params) or self.sampler.generator
-                result = verify_random(probs[row : row + num_rows], draft, generator)
+                result = verify_random(probs[row : row + used], draft, generator)
             out.sampled_token_ids[req.request_id] = result.token_ids
             if raw_logprobs is not None and params.logprobs is not None:
                 out.logprobs[req.request_id] = token_logprobs(

@@ -3,6 +3,8 @@ the engine's tokens with drafts against the same engine without them."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -208,7 +210,7 @@ def test_preemption_with_drafts_gives_identical_tokens(tiny_llama_dir: str, base
     core.check_invariants()
 
 
-def test_opt_out_threshold_and_grammar_requests_draft_nothing(tiny_llama_dir: str, base: LLM) -> None:
+def test_opt_out_and_threshold_draft_nothing(tiny_llama_dir: str, base: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     llm = _llm(tiny_llama_dir, NGRAM)  # pauses above 4 running requests
     want = _tokens(base.generate(PROMPTS, params))
@@ -220,14 +222,32 @@ def test_opt_out_threshold_and_grammar_requests_draft_nothing(tiny_llama_dir: st
     assert _spec_counts(llm) == (0, 0)
     assert _tokens(llm.generate(PROMPTS[:1], params)) == want[:1]
     assert _spec_counts(llm)[0] > 0
-    choice = StructuredOutputsParams(choice=["a b c d e f g a b c", "zzz zzz"])
-    constrained = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=choice)
-    before = _spec_counts(llm)
-    assert (
-        llm.generate(PROMPTS[0], constrained)[0].outputs[0].text
-        == base.generate(PROMPTS[0], constrained)[0].outputs[0].text
-    )
-    assert _spec_counts(llm) == before
+
+
+def test_structured_outputs_with_drafts_match(base: LLM, spec: LLM) -> None:
+    """Drafts the grammar forbids are cut before verification, the masks follow the drafts: the same
+    constrained outputs as without drafts, and drafts were verified for them."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+    }
+    specs = [
+        StructuredOutputsParams(choice=["a b c d e f g a b c d e f g", "zzz zzz zzz"]),
+        StructuredOutputsParams(regex=r"(a b c d e f g ){3}[0-9]{2}"),
+        StructuredOutputsParams(json=json.dumps(schema)),
+    ]
+    for structured in specs:
+        params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=structured)
+        before = _spec_counts(spec)
+        want = base.generate(PROMPTS[:3], params)
+        got = spec.generate(PROMPTS[:3], params)
+        for w, g in zip(want, got, strict=True):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids, structured
+            assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+        if structured.json is None:
+            assert _spec_counts(spec)[1] > before[1], structured  # repeated text: drafts accepted
+    spec.engine_core.check_invariants()
 
 
 @pytest.mark.slow
