@@ -12,6 +12,7 @@ machine's drift hits them alike:
 - `--streams` streams at once: the same kind of requests (each its own function and rename), all at once;
   output tok/s = all completion tokens over the wall time.
 Every completion's text is compared between the two servers (greedy: they must be the same).
+`--offline` runs the same workload on two in-process engines (no HTTP; wall and process CPU time).
 Writes one JSON under bench_results/.
 """
 
@@ -149,6 +150,94 @@ def acceptance(url: str) -> dict[str, float]:
     return found
 
 
+def offline(args: argparse.Namespace) -> None:
+    """The same workload in-process (`--offline`): both engines loaded in one process, no HTTP, each run
+    timed in wall and process CPU time (CPU time moves less than wall time on a host shared with other
+    work). 1 stream: the first --single functions one at a time; then --streams requests at once."""
+    from izh import LLM, SamplingParams
+    from izh.config import SpeculativeConfig
+
+    spec_config = SpeculativeConfig(**json.loads(args.speculative_config) | {"method": "ngram"})
+    engines = {
+        "base": LLM(args.model, max_model_len=2048, cpu_kernels=args.cpu_kernels),
+        "spec": LLM(args.model, max_model_len=2048, cpu_kernels=args.cpu_kernels, speculative=spec_config),
+    }
+    functions = _functions()
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    runs: dict[str, dict[str, list]] = {name: {"single": [], "streams": []} for name in engines}
+
+    def timed(llm: LLM, conversations: list, max_tokens: int) -> tuple[list[list[int]], float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        outs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        return [o.outputs[0].token_ids for o in outs], time.perf_counter() - wall, time.process_time() - cpu
+
+    for round_index in range(args.rounds):
+        order = ["base", "spec"] if round_index % 2 == 0 else ["spec", "base"]
+        for name in order:
+            tokens, wall, cpu = [], 0.0, 0.0
+            for work in functions[: args.single]:
+                out, w, c = timed(engines[name], [_messages(*work)], params.max_tokens or 0)
+                tokens.append(out[0])
+                wall, cpu = wall + w, cpu + c
+            n = sum(map(len, tokens))
+            runs[name]["single"].append({"tok_s": n / wall, "tok_per_cpu_s": n / cpu, "tokens": tokens})
+            print(f"round {round_index} {name} 1 stream: {n / wall:.2f} tok/s ({n / cpu:.2f} per CPU s), {n} tokens",
+                  flush=True)  # fmt: skip
+        if args.skip_streams:
+            continue
+        for name in order:
+            work = [_messages(*functions[i % len(functions)]) for i in range(args.streams)]
+            out, wall, cpu = timed(engines[name], work, args.streams_max_tokens)
+            n = sum(map(len, out))
+            runs[name]["streams"].append({"tok_s": n / wall, "tok_per_cpu_s": n / cpu, "tokens": out})
+            print(f"round {round_index} {name} {args.streams} streams: {n / wall:.2f} tok/s ({n / cpu:.2f} per CPU s)",
+                  flush=True)  # fmt: skip
+    stats = engines["spec"].engine_core.make_stats()
+
+    def med(kind: str, name: str, key: str) -> float | None:
+        values = [r[key] for r in runs[name][kind]]
+        return statistics.median(values) if values else None
+
+    fields: dict[str, object] = {
+        "mode": "offline",
+        "model": args.model,
+        "speculative_config": json.loads(args.speculative_config),
+        "cpu_kernels": args.cpu_kernels,
+        "dtype": str(engines["base"].engine_core.dtype),
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "streams_max_tokens": args.streams_max_tokens,
+    }
+    for kind in ("single", "streams"):
+        if not runs["base"][kind]:
+            continue
+        entry: dict[str, object] = {
+            "identical_tokens": all(
+                b["tokens"] == s["tokens"]
+                for b, s in zip(runs["base"][kind], runs["spec"][kind], strict=True)
+            ),
+            "runs": {n: [{k: v for k, v in r.items() if k != "tokens"} for r in runs[n][kind]] for n in runs},
+            "completion_tokens": [len(t) for t in runs["base"][kind][0]["tokens"]],
+        }
+        for key in ("tok_s", "tok_per_cpu_s"):
+            base_value, spec_value = med(kind, "base", key), med(kind, "spec", key)
+            entry[f"base_{key}_median"], entry[f"spec_{key}_median"] = base_value, spec_value
+            entry[f"speedup_{key}"] = spec_value / base_value if base_value and spec_value else None
+        fields[kind] = entry
+    fields["spec_counters"] = {
+        "num_drafts": stats.spec_decode_num_drafts,
+        "num_draft_tokens": stats.spec_decode_num_draft_tokens,
+        "num_accepted_tokens": stats.spec_decode_num_accepted_tokens,
+        "num_accepted_tokens_per_pos": stats.spec_decode_num_accepted_tokens_per_pos,
+    }
+    fields["acceptance_rate"] = stats.spec_decode_num_accepted_tokens / max(
+        stats.spec_decode_num_draft_tokens, 1
+    )
+    fields["note"] = "host shared with concurrent work (noise): 2 cores, load average 10-16 during the run"
+    write_record("spec_decode", fields, args.out)
+    print(json.dumps(fields, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -164,8 +253,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--streams-max-tokens", type=int, default=128)
     parser.add_argument("--skip-streams", action="store_true")
+    parser.add_argument("--offline", action="store_true", help="in-process engines, no HTTP servers")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.offline:
+        offline(args)
+        return
 
     functions = _functions()
     single_work = functions[: args.single]
