@@ -730,11 +730,44 @@ class ModelRunner:
                         generator=generator,
                     )
                 )
-        metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
-        if len(rows) > len(sample_rows):
-            self._verify(scheduled, sample_rows, drafts, logits, metadata, out)
+        if len(rows) == len(sample_rows):
+            self._sample_plain(scheduled, sample_rows, logits, rows, out)
             return
-        result = self.sampler(logits, metadata)
+        # A step with drafts: the requests without any sample as in any step (their draws, seeded or
+        # not, do not depend on the batch), those with drafts go through verification.
+        first_rows = list(itertools.accumulate((n for _, _, n in sample_rows), initial=0))
+        plain = [k for k, (_, _, n) in enumerate(sample_rows) if n == 1]
+        verified = [k for k, (_, _, n) in enumerate(sample_rows) if n > 1]
+        if plain:
+            index = torch.tensor([first_rows[k] for k in plain], dtype=torch.long, device=logits.device)
+            self._sample_plain(
+                scheduled,
+                [sample_rows[k] for k in plain],
+                logits.index_select(0, index),
+                [rows[first_rows[k]] for k in plain],
+                out,
+            )
+        index_list = [r for k in verified for r in range(first_rows[k], first_rows[k + 1])]
+        index = torch.tensor(index_list, dtype=torch.long, device=logits.device)
+        self._verify(
+            scheduled,
+            [sample_rows[k] for k in verified],
+            [drafts[k] for k in verified],
+            logits.index_select(0, index),
+            SamplingMetadata.build([rows[r] for r in index_list], self.vocab_size, self.device),
+            out,
+        )
+
+    def _sample_plain(
+        self,
+        scheduled: list[ScheduledRequest],
+        sample_rows: list[tuple[int, int, int]],
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        out: RunnerOutput,
+    ) -> None:
+        """One token per request, one row each: the sampler."""
+        result = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
         for k, (batch_index, _, _) in enumerate(sample_rows):
             request_id = scheduled[batch_index].request.request_id
             out.sampled_token_ids[request_id] = [result.sampled_token_ids[k]]
