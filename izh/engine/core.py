@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from izh.config import CUDA_BATCHED_TOKENS, EngineConfig, default_batched_tokens
 from izh.engine.guided import GrammarManager
 from izh.engine.kv_cache import KVCacheManager
@@ -73,6 +75,17 @@ class EngineCore:
         )
         self.proposer = make_proposer(config.speculative)
         """Proposes each running request's drafts after every step (None: no speculative decoding)."""
+        if (
+            self.proposer is not None
+            and self.runner.device.type == "cpu"
+            and self.runner.dtype != torch.float32
+        ):
+            logger.warning(
+                "speculative decoding on %s CPU weights: a verification step's rows are not yet bit-identical "
+                "to single-token decodes there, so greedy tokens may differ from decoding without drafts "
+                "(--dtype float32 keeps them identical)",
+                self.dtype,
+            )
         for name, path in config.lora_modules:
             self._lora().add(name, path)
         self._requests: dict[str, Request] = {}
