@@ -4,6 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's --speculative-config): how drafts are proposed, how many per step,
+    and the load above which drafting pauses (izh.engine.spec_decode)."""
+
+    method: str = "ngram"
+    """ngram: prompt lookup over the prompt and the output so far."""
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int = 2
+    """The shortest suffix of the known tokens an earlier occurrence must match (ngram)."""
+    prompt_lookup_max: int = 5
+    """The longest suffix tried first (ngram)."""
+    disable_by_batch_size: int | None = 4
+    """Drafting pauses while more requests than this run (a big batch needs the compute that verifying
+    drafts takes); None: never."""
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -79,6 +98,8 @@ class EngineConfig:
     MASTER_ADDR / MASTER_PORT (env://); None: it is its node's first rank and starts the others."""
     dist_local_rank: int | None = None
     """LOCAL_RANK under torchrun: the CUDA device of this rank."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding; None: off."""
 
     def first_rank(self) -> int:
         """The global rank of this process: the torchrun RANK, else its node's first rank."""

@@ -144,6 +144,12 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     """The LoRA adapters of the running requests (names, sorted)."""
     waiting_lora_adapters: list[str] = []
     max_loras: int = 0
+    spec_decode_num_drafts: int = 0
+    """Speculative decoding, cumulative (vLLM's counters): drafts verified, their tokens, the tokens
+    the target accepted, and the accepted ones by position in the draft (index 0: first draft token)."""
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 class EngineOutputs(msgspec.Struct, tag=True, kw_only=True):

@@ -214,6 +214,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Accepted for vLLM compatibility; like transformers' and vLLM's fast (Rust) tokenizers, which are
     the only kind izh loads, decoding never inserts spaces between special tokens, so it changes nothing."""
     structured_outputs: StructuredOutputsParams | None = None
+    speculative_decoding: bool = True
+    """izh's extension: False opts this request out of speculative decoding (no drafts are proposed
+    for it, as if the server ran without --speculative-config). Its tokens are the same either way."""
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -319,6 +322,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             "ignore_eos",
             "skip_special_tokens",
             "spaces_between_special_tokens",
+            "speculative_decoding",
         ):
             _check_bool(flag, getattr(self, flag))
         if self.structured_outputs is not None:

@@ -51,12 +51,13 @@ from pydantic import (
     SecretStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 if TYPE_CHECKING:
-    from izh.config import EngineConfig
+    from izh.config import EngineConfig, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -664,6 +665,76 @@ class LoggingSettings(_Section):
     json_format: bool = Field(default=False, alias="json", description="Log one JSON object per line.")
 
 
+class SpeculativeSettings(_Section):
+    """[speculative]: speculative decoding (vLLM's --speculative-config): drafts proposed each step and
+    verified by one batched step of the model, with exactly the tokens it would give without them."""
+
+    config: str | None = Field(
+        default=None,
+        description="vLLM's --speculative-config: a JSON object of this section's keys, e.g. {\"method\": "
+        '"ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5}; its keys override the others.',
+    )
+    method: Annotated[Literal["ngram"] | None, CaseInsensitive] = Field(
+        default=None,
+        description="How drafts are proposed: ngram (prompt lookup over the prompt and the output so far); "
+        "unset = speculative decoding off.",
+    )
+    num_speculative_tokens: int = Field(default=5, gt=0, le=32, description="Draft tokens per step.")
+    prompt_lookup_min: int = Field(
+        default=2,
+        gt=0,
+        description="ngram: the shortest suffix of the tokens an earlier occurrence must match.",
+    )
+    prompt_lookup_max: int = Field(
+        default=5, gt=0, description="ngram: the longest suffix tried (longest first)."
+    )
+    disable_by_batch_size: int | None = Field(
+        default=4,
+        ge=0,
+        description="Drafting pauses while more requests than this run (verifying drafts costs compute "
+        "a big batch needs more); unset = never.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_config(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("config") is None:
+            return data
+        text = data["config"]
+        try:
+            parsed = json.loads(text) if isinstance(text, str) else text
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"config is not valid JSON ({exc.msg})") from exc
+        if not isinstance(parsed, dict):
+            raise ValueError("config must be a JSON object")
+        unknown = sorted(set(parsed) - (set(cls.model_fields) - {"config"}))
+        if unknown:
+            raise ValueError(f"config: unknown key(s) {', '.join(unknown)}")
+        return {**data, **parsed, "config": None}
+
+    @model_validator(mode="after")
+    def _check_lookup(self) -> SpeculativeSettings:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min {self.prompt_lookup_min} > prompt_lookup_max {self.prompt_lookup_max}"
+            )
+        return self
+
+    def to_config(self) -> SpeculativeConfig | None:
+        """The engine's SpeculativeConfig; None when no method is set."""
+        from izh.config import SpeculativeConfig
+
+        if self.method is None:
+            return None
+        return SpeculativeConfig(
+            method=self.method,
+            num_speculative_tokens=self.num_speculative_tokens,
+            prompt_lookup_min=self.prompt_lookup_min,
+            prompt_lookup_max=self.prompt_lookup_max,
+            disable_by_batch_size=self.disable_by_batch_size,
+        )
+
+
 class IzhSettings(BaseSettings):
     """All settings, one section per TOML table. Build it with :func:`load_settings`.
 
@@ -682,6 +753,9 @@ class IzhSettings(BaseSettings):
     )
     logging: LoggingSettings = Field(
         default_factory=lambda: LoggingSettings(), description="[logging] section."
+    )
+    speculative: SpeculativeSettings = Field(
+        default_factory=lambda: SpeculativeSettings(), description="[speculative] section."
     )
 
     @classmethod
@@ -733,6 +807,7 @@ class IzhSettings(BaseSettings):
             nnodes=engine.nnodes,
             node_rank=engine.node_rank,
             dist_timeout_s=engine.dist_timeout_s,
+            speculative=self.speculative.to_config(),
         )
 
     @property
@@ -753,6 +828,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "limits": LimitSettings,
     "rate_limits": RateLimitSettings,
     "logging": LoggingSettings,
+    "speculative": SpeculativeSettings,
 }
 
 
@@ -1031,6 +1107,9 @@ _FLAG_NAMES: dict[str, str] = {
     "server.allowed_origins": "--allowed-origin",
     "rate_limits.per_key": "--rate-limit",
     "logging.level": "--log-level",
+    "speculative.config": "--speculative-config",
+    "speculative.method": "--speculative-method",
+    "speculative.disable_by_batch_size": "--speculative-disable-by-batch-size",
     "logging.json": "--log-json",
 }
 _NO_FLAG = frozenset({"model.name"})

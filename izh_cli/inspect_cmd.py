@@ -355,6 +355,13 @@ def _load_panel(snap: Snapshot) -> RenderableType:
         ),
         ("tokens so far", f"{_num(snap.prompt_tokens_total)} in, {_num(snap.generation_tokens_total)} out"),
     ]
+    if snap.spec_acceptance_rate_lifetime is not None:
+        rows.append(
+            (
+                "draft acceptance",
+                f"{_pct(snap.spec_acceptance_rate)} (all time {_pct(snap.spec_acceptance_rate_lifetime)})",
+            )
+        )
     for label, value in rows:
         table.add_row(label, value)
     return Panel(table, title="Requests", title_align="left")

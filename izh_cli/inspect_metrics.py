@@ -187,6 +187,8 @@ class Adapter:
     e2e: tuple[str, ...] = ()
     prompt_tps_gauge: tuple[str, ...] = ()
     generation_tps_gauge: tuple[str, ...] = ()
+    spec_draft_tokens: tuple[str, ...] = ()
+    spec_accepted_tokens: tuple[str, ...] = ()
 
 
 def _vllm_like(server: str, p: str) -> Adapter:
@@ -205,6 +207,8 @@ def _vllm_like(server: str, p: str) -> Adapter:
         ttft=(f"{p}time_to_first_token_seconds",),
         itl=(f"{p}inter_token_latency_seconds", f"{p}time_per_output_token_seconds"),
         e2e=(f"{p}e2e_request_latency_seconds",),
+        spec_draft_tokens=(f"{p}spec_decode_num_draft_tokens_total",),
+        spec_accepted_tokens=(f"{p}spec_decode_num_accepted_tokens_total",),
     )
 
 
@@ -335,6 +339,9 @@ class Snapshot:
     generation_tokens_per_s: float | None = None
     prompt_tokens_total: float | None = None
     generation_tokens_total: float | None = None
+    spec_acceptance_rate: float | None = None
+    """Speculative decoding: accepted / draft tokens over the window (None: no draft verified in it)."""
+    spec_acceptance_rate_lifetime: float | None = None
     latency_window: dict[str, dict[str, float | None]] = field(default_factory=dict)
     latency_lifetime: dict[str, dict[str, float | None]] = field(default_factory=dict)
     finish_reasons: dict[str, float] = field(default_factory=dict)
@@ -411,6 +418,16 @@ def build_snapshot(url: str, adapter: Adapter, current: Scrape, previous: Scrape
     if snap.generation_tokens_per_s is None:
         snap.generation_tokens_per_s = now(adapter.generation_tps_gauge)
     _hit_rates(snap, adapter, current, previous)
+    drafted, accepted = now(adapter.spec_draft_tokens), now(adapter.spec_accepted_tokens)
+    snap.spec_acceptance_rate_lifetime = _ratio(accepted, drafted)
+    drafted_before, accepted_before = before(adapter.spec_draft_tokens), before(adapter.spec_accepted_tokens)
+    if (
+        drafted is not None
+        and accepted is not None
+        and drafted_before is not None
+        and accepted_before is not None
+    ):
+        snap.spec_acceptance_rate = _ratio(accepted - accepted_before, drafted - drafted_before)
     _latencies(snap, adapter, current, previous)
     _finish_reasons(snap, adapter, current, previous)
     return snap

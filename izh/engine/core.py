@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from izh.config import CUDA_BATCHED_TOKENS, EngineConfig, default_batched_tokens
 from izh.engine.guided import GrammarManager
@@ -14,6 +17,7 @@ from izh.engine.lora_manager import LoraManager
 from izh.engine.model_runner import ModelRunner
 from izh.engine.request import Request, RequestStatus
 from izh.engine.scheduler import Scheduler, SchedulerOutput
+from izh.engine.spec_decode import make_proposer
 from izh.engine_messages import AddRequest, EngineOutput, SchedulerStats, TokenLogprobs
 from izh.errors import IzhError, LoraAdapterError
 from izh.sampling_params import context_room
@@ -70,6 +74,19 @@ class EngineCore:
             is_ready=self._grammar_ready,
             max_loras=config.max_loras if self.runner.lora is not None else 0,
         )
+        self.proposer = make_proposer(config.speculative)
+        """Proposes each running request's drafts after every step (None: no speculative decoding)."""
+        if (
+            self.proposer is not None
+            and self.runner.device.type == "cpu"
+            and self.runner.dtype != torch.float32
+        ):
+            logger.warning(
+                "speculative decoding on %s CPU weights: a verification step's rows are not yet bit-identical "
+                "to single-token decodes there, so greedy tokens may differ from decoding without drafts "
+                "(--dtype float32 keeps them identical)",
+                self.dtype,
+            )
         for name, path in config.lora_modules:
             self._lora().add(name, path)
         self._requests: dict[str, Request] = {}
@@ -218,7 +235,46 @@ class EngineCore:
             )
             if finish_reason is not None:
                 self._forget(request.request_id)
+        if self.proposer is not None:
+            self._propose()
         return outputs
+
+    def _propose(self) -> None:
+        """Give each running request at its decode its drafts for the next step, unless drafting pauses
+        (more running requests than disable_by_batch_size) or the request cannot take drafts."""
+        spec = self.config.speculative
+        proposer = self.proposer
+        assert spec is not None and proposer is not None
+        running = self.scheduler.running
+        if spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size:
+            return
+        grammar = self._grammar
+        # The step's rows stay within what the fused decode stack takes, so that each is a decode's row.
+        rows_left = (self.runner.max_decode_rows or sys.maxsize) - len(running)
+        for request in running:
+            if request.num_tokens - request.num_computed_tokens != 1 or not self._may_draft(request):
+                continue
+            # Room for the drafts and the token after them: max_tokens, and KV slots within max_model_len.
+            room = min(
+                request.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens,
+                rows_left,
+            )
+            draft = proposer.propose(request.all_token_ids, room)
+            if draft and grammar is not None and grammar.has_grammar(request.request_id):
+                draft = draft[: grammar.valid_draft_length(request.request_id, draft)]
+            request.spec_token_ids = draft
+            rows_left -= len(draft)
+
+    @staticmethod
+    def _may_draft(request: Request) -> bool:
+        """Drafts go to generating requests that did not opt out (a structured output's drafts are cut
+        where its grammar rejects a token, before they are verified)."""
+        return (
+            request.sampling_params.speculative_decoding
+            and not request.is_pooling
+            and not request.is_prompt_only
+        )
 
     def _record_prompt_logprobs(
         self, sched: SchedulerOutput, chunks: dict[str, list[TokenLogprobs | None]]
@@ -276,7 +332,7 @@ class EngineCore:
         self,
         request: Request,
         finish_reason: str | None,
-        logprobs: TokenLogprobs | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> EngineOutput:
         sent = self._num_sent.get(request.request_id, 0)
         new_token_ids = request.output_token_ids[sent:]
@@ -296,7 +352,8 @@ class EngineCore:
             new_token_ids=new_token_ids,
             finish_reason=finish_reason,
             stop_reason=request.stop_reason,
-            new_logprobs=[logprobs] if logprobs is not None and new_token_ids else None,
+            # A stop condition may cut a verified step's tokens short: their logprobs go with them.
+            new_logprobs=logprobs[: len(new_token_ids)] if logprobs is not None and new_token_ids else None,
             prompt_logprobs=prompt_logprobs,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(0, request.num_cached_tokens),
@@ -386,6 +443,10 @@ class EngineCore:
             running_lora_adapters=s["running_lora_adapters"],
             waiting_lora_adapters=s["waiting_lora_adapters"],
             max_loras=self.scheduler.max_loras,
+            spec_decode_num_drafts=s["spec_decode_num_drafts"],
+            spec_decode_num_draft_tokens=s["spec_decode_num_draft_tokens"],
+            spec_decode_num_accepted_tokens=s["spec_decode_num_accepted_tokens"],
+            spec_decode_num_accepted_tokens_per_pos=s["spec_decode_num_accepted_tokens_per_pos"],
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -188,6 +188,104 @@ class GrammarManager:
             self._apply_bounds(bitmask, bounds_bitmask, [row for _, row in bounded], bounded_ids)
         return bitmask
 
+    def valid_draft_length(self, request_id: str, draft: list[int]) -> int:
+        """How many leading tokens of `draft` the request's grammar (and JSON bounds) would accept from
+        its current state, without advancing it: a draft token the grammar forbids is cut before it is
+        verified. len(draft) for a request without a grammar; 0 while it compiles or failed."""
+        state = self._requests.get(request_id)
+        if state is None or not draft:
+            return len(draft)
+        matcher = self._ready_matcher(state)
+        if matcher is None or matcher.is_error() or matcher.is_stopped():
+            return 0
+        length = matcher.validate_tokens(draft)
+        if state.bounds is not None and not state.bounds.is_stopped():
+            length = min(length, state.bounds.validate_tokens(draft))
+        return length
+
+    def fill_bitmask_drafts(
+        self, entries: list[tuple[str | None, list[int]]]
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        """`fill_bitmask` for a step with drafts: entry e (a request id or None, and its draft) has
+        len(draft) + 1 rows, row j the mask after the request's grammar took draft[:j]. The matchers are
+        advanced over the drafts to compute the rows, then rolled back.
+
+        Returns the bitmask (None when no entry has a grammar) and, per entry, how many of its drafts
+        the rows hold: fewer than len(draft) where the grammar or its bounds reject a draft token, or
+        where the bounds would leave no token (the step then ends at the row before, and the bounds are
+        dropped when the request really reaches that state, as without drafts).
+        """
+        lengths = [len(draft) for _, draft in entries]
+        if all(request_id is None for request_id, _ in entries):
+            return None, lengths
+        starts = [0]
+        for length in lengths:
+            starts.append(starts[-1] + length + 1)
+        bitmask, bounds_bitmask = self._bitmask_rows(starts[-1])
+        bitmask.fill_(-1)
+        live: list[tuple[int, _GuidedRequest, llguidance.LLMatcher]] = []
+        for e, (request_id, _) in enumerate(entries):
+            if request_id is None:
+                continue
+            state = self._state(request_id)
+            matcher = self._ready_matcher(state)
+            if matcher is None:
+                self._fill_eos_only(bitmask[starts[e]])
+                lengths[e] = 0
+                continue
+            live.append((e, state, matcher))
+        consumed = dict.fromkeys((e for e, _, _ in live), 0)
+        bounds_consumed = dict.fromkeys((e for e, _, _ in live), 0)
+        try:
+            depth = 0
+            while True:
+                at_depth = [(e, state, matcher) for e, state, matcher in live if lengths[e] >= depth]
+                if not at_depth:
+                    break
+                self._compute_masks([(m, starts[e] + depth) for e, _, m in at_depth], bitmask)
+                bounded = [(e, state) for e, state, _ in at_depth if state.bounds is not None]
+                for e, state in bounded:
+                    row = starts[e] + depth
+                    assert state.bounds is not None
+                    self._compute_masks([(state.bounds, row)], bounds_bitmask)
+                    both = bitmask[row] & bounds_bitmask[row]
+                    if bool((both != 0).any()):
+                        bitmask[row] = both
+                    elif depth == 0:
+                        logger.info(
+                            "request %s: its grammar needs a JSON lexeme past the bounds; going on without them",
+                            entries[e][0],
+                        )
+                        state.bounds = None
+                    else:
+                        lengths[e] = depth - 1  # that state is decided when the request gets there
+                for e, state, matcher in at_depth:
+                    if lengths[e] <= depth:
+                        continue
+                    token = entries[e][1][depth]
+                    if matcher.is_stopped() or not matcher.consume_token(token):
+                        lengths[e] = depth
+                        continue
+                    consumed[e] += 1
+                    if matcher.is_stopped():
+                        # The draft ends the grammar: it must be the step's own token, the last one.
+                        lengths[e] = depth
+                        continue
+                    bounds = state.bounds
+                    if bounds is not None and not bounds.is_stopped():
+                        if not bounds.consume_token(token):
+                            lengths[e] = depth
+                            continue
+                        bounds_consumed[e] += 1
+                depth += 1
+        finally:
+            for e, state, matcher in live:
+                if consumed[e]:
+                    matcher.rollback(consumed[e])
+                if bounds_consumed[e] and state.bounds is not None:
+                    state.bounds.rollback(bounds_consumed[e])
+        return bitmask, lengths
+
     @staticmethod
     def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         """The module's `apply_bitmask`, for callers that hold a GrammarManager."""

@@ -363,6 +363,25 @@ class KVCacheManager:
             self.block_pool.evict(block)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def trim(self, request: Request) -> None:
+        """Free the blocks past those `request.num_tokens` needs: a speculative step allocated slots for
+        its draft tokens, and the rejected ones' blocks hold nothing the request will keep. They were
+        never prefix-cache entries (a block is cached only once known tokens fill it, and draft tokens
+        are not known tokens); any entry is dropped all the same before the block goes back."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        keep = -(-request.num_tokens // self.block_size)
+        if len(blocks) <= keep:
+            return
+        unused = blocks[keep:]
+        del blocks[keep:]
+        del self.req_to_block_ids[request.request_id][keep:]
+        self.num_cached_blocks[request.request_id] = min(self.num_cached_blocks[request.request_id], keep)
+        for block in unused:
+            self.block_pool.evict(block)
+        self.block_pool.free_blocks(reversed(unused))
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table: the live list, not a copy. Read it; never mutate it."""
         return self.req_to_block_ids.get(request_id, [])

@@ -16,8 +16,16 @@ import torch
 from izh.config import EngineConfig, lora_enabled
 from izh.engine.guided import GrammarManager, apply_bitmask
 from izh.engine.lora_manager import LoraManager
-from izh.engine.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator, to_device
+from izh.engine.sampler import (
+    Sampler,
+    SamplingMetadata,
+    SamplingRow,
+    make_generator,
+    to_device,
+    token_logprobs,
+)
 from izh.engine.scheduler import ScheduledRequest, SchedulerOutput
+from izh.engine.spec_decode import verify_greedy, verify_random
 from izh.engine_messages import ImageInput, TokenLogprobs
 from izh.errors import ModelLoadError
 from izh.kernels import cpu as cpu_ops
@@ -32,6 +40,7 @@ from izh.model.parallel import check_tensor_parallel
 from izh.model.parallel import compute_logits as parallel_logits
 from izh.model.pooling import PoolingConfig, pool, resolve_pooling
 from izh.pooling_params import PoolingParams
+from izh.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from izh.engine.cuda_graphs import DecodeGraphRunner
@@ -106,7 +115,8 @@ class RunnerOutput:
     """Per-request results of one step, keyed by request id (only requests that sampled)."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    """The sampled tokens' logprobs (one per token), for requests that ask."""
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     embeddings: dict[str, bytes] = field(default_factory=dict)
     """Pooling requests' vectors (float32 bytes), for those whose prompt this step completed."""
@@ -321,6 +331,14 @@ class ModelRunner:
         return runner
 
     @property
+    def max_decode_rows(self) -> int | None:
+        """The most single-token rows a decode step runs through the fused C decode stack (None: no
+        stack). Speculative verification stays within it: past it the step runs through the modules,
+        whose bfloat16 matmuls over more than a few rows are not the decode's (another row order)."""
+        stack = getattr(self.model, "fused_stack", None) if not self.is_encoder else None
+        return None if stack is None else stack.max_tokens
+
+    @property
     def num_local_kv_heads(self) -> int:
         """The KV heads this rank's cache holds (all of them without tensor parallelism)."""
         world = self.tp_runtime.tp.world_size if self.tp_runtime is not None else 1
@@ -473,8 +491,8 @@ class ModelRunner:
         self, scheduled: list[ScheduledRequest], grammar: GrammarManager | None, *, lora_step: bool
     ) -> RunnerOutput:
         input_ids, positions, attn_metadata = self._prepare_inputs(scheduled)
-        sample_rows, prompt_rows, pool_rows = self._select_rows(scheduled, attn_metadata)
-        logits_rows = [i for _, i in sample_rows]
+        sample_rows, prompt_rows, pool_rows = self._select_rows(scheduled)
+        logits_rows = [row + j for _, row, num_rows in sample_rows for j in range(num_rows)]
         for _, token_rows, _ in prompt_rows:
             logits_rows.extend(token_rows)
         # Copied before the forward is enqueued: on CUDA a blocking host-to-device copy waits for the stream,
@@ -512,7 +530,7 @@ class ModelRunner:
                 hidden.index_select(0, index), out=self._logits_buffer(len(logits_rows))
             )
         out = RunnerOutput(embeddings=embeddings, forward_s=self._forward_time(start))
-        num_sampled = len(sample_rows)
+        num_sampled = sum(num_rows for _, _, num_rows in sample_rows)
         if num_sampled:
             self._sample(scheduled, sample_rows, logits[:num_sampled], out, grammar)
         self._prompt_logprobs(scheduled, prompt_rows, logits[num_sampled:], out)
@@ -569,9 +587,26 @@ class ModelRunner:
         self, scheduled: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
-        num_seqs = len(scheduled)
-        query_lens = np.fromiter((s.num_scheduled_tokens for s in scheduled), np.int64, num_seqs)
-        starts = np.fromiter((s.num_computed_tokens_before for s in scheduled), np.int64, num_seqs)
+        # A request verifying drafts (izh.engine.spec_decode) attends as k + 1 single-token decodes of one
+        # block table: each row is computed exactly as a decode step would compute it (the same kernels,
+        # the fused decode stack included), so verification never changes a row's logits. Every layer
+        # writes the whole batch's KV before it attends, so row i sees the drafts before it.
+        pieces: list[ScheduledRequest] = []
+        piece_starts: list[int] = []
+        piece_lens: list[int] = []
+        for s in scheduled:
+            if s.spec_token_ids:
+                for j in range(s.num_scheduled_tokens):
+                    pieces.append(s)
+                    piece_starts.append(s.num_computed_tokens_before + j)
+                    piece_lens.append(1)
+            else:
+                pieces.append(s)
+                piece_starts.append(s.num_computed_tokens_before)
+                piece_lens.append(s.num_scheduled_tokens)
+        num_seqs = len(pieces)
+        query_lens = np.asarray(piece_lens, dtype=np.int64)
+        starts = np.asarray(piece_starts, dtype=np.int64)
         seq_lens = starts + query_lens
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
@@ -580,7 +615,9 @@ class ModelRunner:
         token_ids: list[int] = []
         for s in scheduled:
             start = s.num_computed_tokens_before
-            token_ids.extend(s.request.all_token_ids[start : start + s.num_scheduled_tokens])
+            num_known = s.num_scheduled_tokens - len(s.spec_token_ids)
+            token_ids.extend(s.request.all_token_ids[start : start + num_known])
+            token_ids.extend(s.spec_token_ids)
         seq_index = np.repeat(np.arange(num_seqs), query_lens)
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(
             query_start_loc[:-1] - starts, query_lens
@@ -588,7 +625,7 @@ class ModelRunner:
 
         max_blocks = max(len(s.block_ids) for s in scheduled)
         block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
-        for i, s in enumerate(scheduled):
+        for i, s in enumerate(pieces):
             block_tables[i, : len(s.block_ids)] = s.block_ids
         slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
 
@@ -608,22 +645,25 @@ class ModelRunner:
 
     @staticmethod
     def _select_rows(
-        scheduled: list[ScheduledRequest], attn_metadata: AttentionMetadata
-    ) -> tuple[list[tuple[int, int]], list[tuple[int, list[int], list[int]]], list[tuple[int, int, int]]]:
-        """Rows whose logits we need: (batch index, token row) that sample, and prompt-logprob rows;
-        and the (batch index, first row, end row) of each pooling request (scheduled whole).
+        scheduled: list[ScheduledRequest],
+    ) -> tuple[
+        list[tuple[int, int, int]], list[tuple[int, list[int], list[int]]], list[tuple[int, int, int]]
+    ]:
+        """Rows whose logits we need: (batch index, first token row, rows) that sample (one row, or the
+        k + 1 rows of a request verifying k drafts), and prompt-logprob rows; and the (batch index,
+        first row, end row) of each pooling request (scheduled whole).
 
         A prompt row at position p gives the logprob of prompt token p + 1; position 0 has none. A
         request's first chunk is listed even without rows (a one-token prompt), for that None.
         """
-        # From the host copy of the query lengths: no device sync on GPU.
-        qsl = [0, *itertools.accumulate(attn_metadata.host_query_lens())]
+        qsl = [0, *itertools.accumulate(s.num_scheduled_tokens for s in scheduled)]
         sample_rows = []
         prompt_rows = []
         pool_rows = []
         for i, s in enumerate(scheduled):
             if s.samples:
-                sample_rows.append((i, qsl[i + 1] - 1))
+                num_rows = len(s.spec_token_ids) + 1
+                sample_rows.append((i, qsl[i + 1] - num_rows, num_rows))
             elif s.request.pooling_params is not None:
                 assert s.num_computed_tokens_before == 0 and s.num_scheduled_tokens == s.request.num_tokens
                 pool_rows.append((i, qsl[i], qsl[i + 1]))
@@ -655,42 +695,130 @@ class ModelRunner:
     def _sample(
         self,
         scheduled: list[ScheduledRequest],
-        sample_rows: list[tuple[int, int]],
+        sample_rows: list[tuple[int, int, int]],
         logits: torch.Tensor,
         out: RunnerOutput,
         grammar: GrammarManager | None,
     ) -> None:
+        """Sample every sampling request's token; a request verifying drafts gets its accepted drafts
+        and one token of the target's own (izh.engine.spec_decode)."""
+        drafts = [scheduled[i].spec_token_ids for i, _, _ in sample_rows]
         if grammar is not None and grammar.num_requests:
-            ids = [scheduled[i].request.request_id for i, _ in sample_rows]
-            bitmask = grammar.fill_bitmask([r if grammar.has_grammar(r) else None for r in ids])
+            ids: list[str | None] = [
+                r if grammar.has_grammar(r) else None
+                for r in (scheduled[i].request.request_id for i, _, _ in sample_rows)
+            ]
+            if len(logits) > len(sample_rows):
+                # A row per draft position; a draft the grammar rejects ends its request's rows there.
+                bitmask, lengths = grammar.fill_bitmask_drafts(list(zip(ids, drafts, strict=True)))
+                drafts = [d[:n] for d, n in zip(drafts, lengths, strict=True)]
+            else:
+                bitmask = grammar.fill_bitmask(ids)
             if bitmask is not None:
                 apply_bitmask(logits, bitmask)
         rows = []
-        for batch_index, _ in sample_rows:
-            req = scheduled[batch_index].request
+        for batch_index, _, num_rows in sample_rows:
+            s = scheduled[batch_index]
+            req = s.request
             params = req.sampling_params
-            generator = None
-            if params.seed is not None and not params.is_greedy:
-                generator = self._generators.get(req.request_id)
-                if generator is None:
-                    generator = make_generator(params.seed, self.device)
-                    self._generators[req.request_id] = generator
-            rows.append(
-                SamplingRow(
-                    params=params,
-                    prompt_token_ids=req.prompt_token_ids,
-                    output_token_ids=req.output_token_ids,
-                    eos_token_ids=req.eos_token_ids,
-                    generator=generator,
+            generator = self._generator(req.request_id, params)
+            for j in range(num_rows):
+                # Row j of a draft follows the drafts before it: penalties, min_tokens and bad words
+                # see the output as it would be had they been sampled.
+                output = req.output_token_ids if j == 0 else req.output_token_ids + s.spec_token_ids[:j]
+                rows.append(
+                    SamplingRow(
+                        params=params,
+                        prompt_token_ids=req.prompt_token_ids,
+                        output_token_ids=output,
+                        eos_token_ids=req.eos_token_ids,
+                        generator=generator,
+                    )
                 )
+        if len(rows) == len(sample_rows):
+            self._sample_plain(scheduled, sample_rows, logits, rows, out)
+            return
+        # A step with drafts: the requests without any sample as in any step (their draws, seeded or
+        # not, do not depend on the batch), those with drafts go through verification.
+        first_rows = list(itertools.accumulate((n for _, _, n in sample_rows), initial=0))
+        plain = [k for k, (_, _, n) in enumerate(sample_rows) if n == 1]
+        verified = [k for k, (_, _, n) in enumerate(sample_rows) if n > 1]
+        if plain:
+            index = torch.tensor([first_rows[k] for k in plain], dtype=torch.long, device=logits.device)
+            self._sample_plain(
+                scheduled,
+                [sample_rows[k] for k in plain],
+                logits.index_select(0, index),
+                [rows[first_rows[k]] for k in plain],
+                out,
             )
-        metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
-        result = self.sampler(logits, metadata)
-        for k, (batch_index, _) in enumerate(sample_rows):
+        index_list = [r for k in verified for r in range(first_rows[k], first_rows[k + 1])]
+        index = torch.tensor(index_list, dtype=torch.long, device=logits.device)
+        self._verify(
+            scheduled,
+            [sample_rows[k] for k in verified],
+            [drafts[k] for k in verified],
+            logits.index_select(0, index),
+            SamplingMetadata.build([rows[r] for r in index_list], self.vocab_size, self.device),
+            out,
+        )
+
+    def _sample_plain(
+        self,
+        scheduled: list[ScheduledRequest],
+        sample_rows: list[tuple[int, int, int]],
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        out: RunnerOutput,
+    ) -> None:
+        """One token per request, one row each: the sampler."""
+        result = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
+        for k, (batch_index, _, _) in enumerate(sample_rows):
             request_id = scheduled[batch_index].request.request_id
             out.sampled_token_ids[request_id] = [result.sampled_token_ids[k]]
             if result.logprobs is not None and result.logprobs[k] is not None:
-                out.logprobs[request_id] = result.logprobs[k]  # type: ignore[assignment]
+                out.logprobs[request_id] = [result.logprobs[k]]  # type: ignore[list-item]
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        """A seeded random request's own generator (made on its first sample, kept until it ends)."""
+        if params.seed is None or params.is_greedy:
+            return None
+        generator = self._generators.get(request_id)
+        if generator is None:
+            generator = self._generators[request_id] = make_generator(params.seed, self.device)
+        return generator
+
+    def _verify(
+        self,
+        scheduled: list[ScheduledRequest],
+        sample_rows: list[tuple[int, int, int]],
+        drafts: list[list[int]],
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        out: RunnerOutput,
+    ) -> None:
+        """A step with drafts: each request's rows through izh.engine.spec_decode's verification (one row
+        without drafts is a verification of none: the same distribution as the sampler's)."""
+        raw_logprobs, greedy, probs = self.sampler.distributions(logits, metadata)
+        greedy_ids = greedy.tolist() if greedy is not None else None
+        row = 0
+        for (batch_index, _, num_rows), draft in zip(sample_rows, drafts, strict=True):
+            req = scheduled[batch_index].request
+            params = req.sampling_params
+            used = len(draft) + 1  # a grammar may have cut the draft: the rows past it go unused
+            if params.is_greedy:
+                assert greedy_ids is not None
+                result = verify_greedy(greedy_ids[row : row + used], draft)
+            else:
+                assert probs is not None
+                generator = self._generator(req.request_id, params) or self.sampler.generator
+                result = verify_random(probs[row : row + used], draft, generator)
+            out.sampled_token_ids[req.request_id] = result.token_ids
+            if raw_logprobs is not None and params.logprobs is not None:
+                out.logprobs[req.request_id] = token_logprobs(
+                    raw_logprobs[row : row + num_rows], result.token_ids, params.logprobs
+                )
+            row += num_rows
 
     def _prompt_logprobs(
         self,

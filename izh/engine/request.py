@@ -84,6 +84,9 @@ class Request:
     """The stop token id that finished the request (None for EOS, length or abort); a stop string
     set from outside through Scheduler.finish_requests."""
     num_preemptions: int = field(init=False, default=0)
+    spec_token_ids: list[int] = field(init=False, default_factory=list)
+    """Draft tokens proposed for the next step (izh.engine.spec_decode); the scheduler takes them when it
+    schedules the request's decode and verifies them with it, or drops them."""
     block_hashes: list[bytes] = field(init=False, default_factory=list)
     """Chain hashes of the full blocks of `all_token_ids`, grown by the KV cache manager as blocks fill."""
     _all_token_ids: list[int] = field(init=False, repr=False, default_factory=list)

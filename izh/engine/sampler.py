@@ -363,6 +363,30 @@ class Sampler:
             logprobs = _row_logprobs(raw_logprobs, sampled, metadata)
         return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
 
+    def distributions(
+        self, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """What `__call__` would sample from, without sampling (speculative verification): the raw
+        logprobs (None when no row asks), the greedy rows' tokens (None when every row samples) and the
+        random rows' probabilities [num_rows, vocab] after every mask, penalty, temperature, top-k, top-p
+        and min-p (unnormalized rows; None when every row is greedy). May modify `logits` in place."""
+        logits = logits.float()
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = apply_token_masks(logits, metadata)
+        logits = apply_penalties(logits, metadata)
+        greedy = None if metadata.all_random else cpu_ops.argmax_rows(logits)
+        if metadata.all_greedy:
+            return raw_logprobs, greedy, None
+        assert metadata.temperature is not None
+        logits = logits.div_(metadata.temperature.unsqueeze(1))
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.max_top_k, metadata.top_p)
+        probs = logits.softmax(dim=-1)
+        if metadata.min_p is not None:
+            probs = apply_min_p(probs, metadata.min_p)
+        return raw_logprobs, greedy, probs
+
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         greedy = None
         if not metadata.all_random:
@@ -580,6 +604,13 @@ def _row_logprobs(
             record = TokenLogprobs(record.token_id, record.logprob, record.rank, record.top[:num_top])
         result[row] = record
     return result
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+    """TokenLogprobs of token_ids[i] under the log-probabilities logprobs[i] [m, vocab], each with its
+    row's top num_top (speculative verification's accepted tokens)."""
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=logprobs.device)
+    return _token_logprobs(logprobs[: len(token_ids)], ids, num_top)
 
 
 def _token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> list[TokenLogprobs]:

@@ -51,6 +51,10 @@ class SchedulerStatsDict(TypedDict):
     num_generation_tokens: int
     num_scheduled_tokens_last_step: int
     running_lora_adapters: list[str]
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_num_accepted_tokens_per_pos: list[int]
     waiting_lora_adapters: list[str]
 
 
@@ -68,6 +72,9 @@ class ScheduledRequest:
     samples: bool
     """True when this step computes the last known token, so the step samples a new one (never for a
     prompt-only request: its step that computes the last prompt token finishes it instead)."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens verified in this step: they follow the last known token, so the step computes
+    1 + len(spec_token_ids) tokens (num_scheduled_tokens) and samples at each of those positions."""
 
 
 @dataclass(slots=True)
@@ -184,6 +191,12 @@ class Scheduler:
         self.num_prompt_tokens = 0
         """Prompt tokens computed (prefix hits excluded, recomputation included), cumulative."""
         self.num_generation_tokens = 0
+        self.spec_num_drafts = 0
+        """Speculative decoding, cumulative (vLLM's spec_decode_* counters): verified drafts, their
+        tokens, the accepted ones, and the accepted ones by position in the draft."""
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos: list[int] = []
 
     # -- requests in and out ------------------------------------------------------------------------
 
@@ -276,9 +289,18 @@ class Scheduler:
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new_tokens <= 0:
                 continue  # its step produced no token (the runner skipped it); nothing to compute
+            spec_token_ids = request.spec_token_ids
+            if spec_token_ids:
+                request.spec_token_ids = []
+                if request.num_tokens - request.num_computed_tokens == 1:
+                    # A decode with drafts: the drafts that fit the budget ride along for verification.
+                    spec_token_ids = spec_token_ids[: budget - 1]
+                    num_new_tokens += len(spec_token_ids)
+                else:
+                    spec_token_ids = []
             while True:
                 if self.kv_cache_manager.allocate_slots(request, num_new_tokens) is not None:
-                    self._add_scheduled(output, request, num_new_tokens)
+                    self._add_scheduled(output, request, num_new_tokens, spec_token_ids)
                     budget -= num_new_tokens
                     break
                 victim = self._pick_victim()
@@ -327,15 +349,23 @@ class Scheduler:
         """The distinct adapters (ids) of the running requests."""
         return {r.lora_id for r in self.running if r.lora_id}
 
-    def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new_tokens: int) -> None:
+    def _add_scheduled(
+        self,
+        output: SchedulerOutput,
+        request: Request,
+        num_new_tokens: int,
+        spec_token_ids: list[int] | None = None,
+    ) -> None:
         num_computed = request.num_computed_tokens
+        num_known = num_new_tokens - len(spec_token_ids or ())
         output.scheduled.append(
             ScheduledRequest(
                 request=request,
                 num_scheduled_tokens=num_new_tokens,
                 num_computed_tokens_before=num_computed,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                samples=num_computed + num_new_tokens == request.num_tokens and not request.is_prompt_only,
+                samples=num_computed + num_known == request.num_tokens and not request.is_prompt_only,
+                spec_token_ids=spec_token_ids or [],
             )
         )
 
@@ -357,6 +387,7 @@ class Scheduler:
                 del output.scheduled[index]
                 break
         self.kv_cache_manager.free(victim)
+        victim.spec_token_ids = []
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -382,6 +413,11 @@ class Scheduler:
                 continue  # aborted or finished from outside since schedule()
             before = scheduled.num_computed_tokens_before
             request.num_computed_tokens = before + scheduled.num_scheduled_tokens
+            if scheduled.spec_token_ids:
+                # The KV of the last known token and of the accepted drafts stays; the rejected drafts'
+                # slots are past num_computed_tokens (overwritten later, or freed by `trim` below).
+                num_accepted = self._count_spec(scheduled, sampled_token_ids.get(request.request_id))
+                request.num_computed_tokens = before + 1 + num_accepted
             if before < request.num_prompt_tokens:
                 self.num_prompt_tokens += min(request.num_computed_tokens, request.num_prompt_tokens) - before
             if request.is_prompt_only and request.num_computed_tokens == request.num_tokens:
@@ -400,10 +436,27 @@ class Scheduler:
             if status is not None:
                 self._finish(request, status)
                 num_finished += 1
+            elif scheduled.spec_token_ids:
+                self.kv_cache_manager.trim(request)
             updated.append(request)
         if num_finished:
             self.running = [request for request in self.running if request.status == RequestStatus.RUNNING]
         return updated
+
+    def _count_spec(self, scheduled: ScheduledRequest, token_ids: list[int] | None) -> int:
+        """Count one verified draft in the spec_decode counters; returns its accepted tokens (the
+        runner's tokens are the accepted drafts plus one the target sampled itself)."""
+        num_drafted = len(scheduled.spec_token_ids)
+        num_accepted = max(0, min(len(token_ids or ()) - 1, num_drafted))
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafted
+        self.spec_num_accepted_tokens += num_accepted
+        per_pos = self.spec_accepted_per_pos
+        if len(per_pos) < num_drafted:
+            per_pos.extend([0] * (num_drafted - len(per_pos)))
+        for position in range(num_accepted):
+            per_pos[position] += 1
+        return num_accepted
 
     def _append_and_check_stop(self, request: Request, token_ids: list[int]) -> RequestStatus | None:
         """Append tokens one by one, stopping at the first that finishes the request."""
@@ -442,6 +495,10 @@ class Scheduler:
             "num_scheduled_tokens_last_step": self.num_scheduled_tokens_last_step,
             "running_lora_adapters": sorted({r.lora_name for r in self.running if r.lora_name}),
             "waiting_lora_adapters": sorted({r.lora_name for r in self.waiting if r.lora_name}),
+            "spec_decode_num_drafts": self.spec_num_drafts,
+            "spec_decode_num_draft_tokens": self.spec_num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.spec_accepted_per_pos),
         }
 
     def check_invariants(self) -> None:

@@ -582,5 +582,7 @@ def engine_state(client: EngineCoreClient, index: int, dead_reason: str | None =
         "num_blocks": stats.num_blocks if stats is not None else 0,
         "prefix_cache_queries": stats.prefix_cache_queries if stats is not None else 0,
         "prefix_cache_hits": stats.prefix_cache_hits if stats is not None else 0,
+        "spec_decode_num_draft_tokens": stats.spec_decode_num_draft_tokens if stats is not None else 0,
+        "spec_decode_num_accepted_tokens": stats.spec_decode_num_accepted_tokens if stats is not None else 0,
         "stats_age_s": age,
     }

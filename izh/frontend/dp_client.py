@@ -45,6 +45,9 @@ _SUMMED_STATS = (
     "num_steps",
     "num_prompt_tokens",
     "num_generation_tokens",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
 )
 
 

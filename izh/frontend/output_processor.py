@@ -162,10 +162,59 @@ class OutputProcessor:
         if eo.finish_reason == "error":
             return self._failed(state, eo, now)
         token_ids = eo.new_token_ids
-        state.num_output_tokens += len(token_ids)
-        self._record(state.metrics, eo, len(token_ids), now)
         finish_reason = eo.finish_reason
         stop_reason = eo.stop_reason
+        new_logprobs = eo.new_logprobs
+        if state.stop and len(token_ids) > 1:
+            # Several tokens at once (a verified speculative step): the stop strings are checked after
+            # each, so the request ends at the token that completes one, as one token a step would.
+            pieces = []
+            for index in range(len(token_ids)):
+                last = index == len(token_ids) - 1
+                piece, stop_str = self._delta(
+                    state, token_ids[index : index + 1], finish_reason if last else None
+                )
+                pieces.append(piece)
+                if stop_str is not None:
+                    token_ids = token_ids[: index + 1]
+                    finish_reason, stop_reason = "stop", stop_str
+                    state.stop_hit = True
+                    break
+            delta = "".join(pieces)
+            if new_logprobs is not None:
+                new_logprobs = new_logprobs[: len(token_ids)]
+        else:
+            delta, stop_str = self._delta(state, token_ids, finish_reason)
+            if stop_str is not None:
+                finish_reason, stop_reason = "stop", stop_str
+                state.stop_hit = True
+        self._record(state.metrics, eo, len(token_ids), now)
+        out = RequestOutput(
+            request_id=state.request_id,
+            text=delta,
+            token_ids=token_ids,
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=state.metrics.num_prompt_tokens,
+            num_output_tokens=state.num_output_tokens,
+            num_cached_tokens=state.metrics.num_cached_tokens,
+        )
+        if new_logprobs is not None and state.want_logprobs:
+            out.logprobs = [self._position(lp) for lp in new_logprobs]
+        if eo.prompt_logprobs is not None:
+            out.prompt_logprobs = [None if lp is None else self._position(lp) for lp in eo.prompt_logprobs]
+        out.embedding = eo.embedding
+        if out.finished:
+            self._finish(state, finish_reason, now)
+        return out
+
+    def _delta(
+        self, state: RequestState, token_ids: list[int], finish_reason: str | None
+    ) -> tuple[str, str | None]:
+        """Count `token_ids` as output and detokenize them: the text to release, and the stop string
+        they completed (None when none did)."""
+        state.num_output_tokens += len(token_ids)
         # A stop token (EOS or a stop_token_id) is not part of the text (vLLM), unless asked for.
         stop_terminated = (
             finish_reason == "stop"
@@ -182,29 +231,8 @@ class OutputProcessor:
         else:
             delta = ""
         if state.stop:
-            delta, stop_str = self._check_stop(state, delta, finished=finish_reason is not None)
-            if stop_str is not None:
-                finish_reason, stop_reason = "stop", stop_str
-                state.stop_hit = True
-        out = RequestOutput(
-            request_id=state.request_id,
-            text=delta,
-            token_ids=token_ids,
-            finished=finish_reason is not None,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-            num_prompt_tokens=state.metrics.num_prompt_tokens,
-            num_output_tokens=state.num_output_tokens,
-            num_cached_tokens=state.metrics.num_cached_tokens,
-        )
-        if eo.new_logprobs is not None and state.want_logprobs:
-            out.logprobs = [self._position(lp) for lp in eo.new_logprobs]
-        if eo.prompt_logprobs is not None:
-            out.prompt_logprobs = [None if lp is None else self._position(lp) for lp in eo.prompt_logprobs]
-        out.embedding = eo.embedding
-        if out.finished:
-            self._finish(state, finish_reason, now)
-        return out
+            return self._check_stop(state, delta, finished=finish_reason is not None)
+        return delta, None
 
     def finish(
         self,

@@ -46,16 +46,18 @@ def _health(url: str) -> int:
         return 0
 
 
-def serve_default_model(smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
-    """`izh serve` of the default model under the name `smollm2`, behind API_KEY, for a module-scoped
-    fixture to `yield from`; stopped (SIGTERM, then kill) when the fixture ends."""
+def serve_default_model(
+    smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory, extra_args: tuple[str, ...] = ()
+) -> Iterator[RealServer]:
+    """`izh serve` of the default model under the name `smollm2`, behind API_KEY (plus `extra_args`), for
+    a module-scoped fixture to `yield from`; stopped (SIGTERM, then kill) when the fixture ends."""
     folder = tmp_path_factory.mktemp("real-server")
     port = _free_port()
     log = folder / "serve.log"
     env = {**os.environ, "IZH_CACHE_DIR": isolated_cache_dir(folder / "cache")}
     cmd = [sys.executable, "-m", "izh_cli.main", "serve", smollm2_gguf, "--port", str(port)]
     cmd += ["--served-model-name", MODEL, "--max-model-len", "2048", "--kv-cache-memory-bytes", "128MiB"]
-    cmd += ["--api-key", API_KEY]
+    cmd += ["--api-key", API_KEY, *extra_args]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"

@@ -299,3 +299,31 @@ def test_blocks_overlapping_an_image_carry_its_content_hash() -> None:
     schedule_prompt(manager, with_image("cat"))
     assert manager.get_computed_blocks(with_image("cat"))[1] == 12
     assert manager.get_computed_blocks(with_image("dog"))[1] == 4  # the block before the image only
+
+
+def test_draft_slots_are_never_cached_and_trim_frees_the_unused_blocks() -> None:
+    """A speculative step allocates slots for the last known token and its drafts: blocks that only the
+    drafts fill are not prefix-cache entries; after verification `trim` frees the blocks past the
+    request's tokens, and the blocks full of known tokens become entries only once those tokens are."""
+    manager = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE, enable_caching=True)
+    request = make_request("r", [1, 2, 3, 4, 5, 6])
+    schedule_prompt(manager, request)
+    request.append_output_token_ids(7)  # 7 known tokens, 6 computed
+    # Decode of token 7 plus 6 drafts: slots up to 13 tokens, 4 blocks.
+    assert manager.allocate_slots(request, 1 + 6) is not None
+    assert len(manager.get_block_ids("r")) == 4
+    cached = manager.block_pool.cached_block_hash_to_block
+    assert len(cached) == 1  # only block 0 is full of known tokens ([1, 2, 3, 4])
+    # One draft accepted (token 8), then the model's own token 9: 9 known tokens, 8 computed.
+    request.append_output_token_ids([8, 9])
+    request.num_computed_tokens = 8
+    manager.trim(request)
+    assert len(manager.get_block_ids("r")) == 3  # ceil(9 / 4): the fourth held only rejected drafts
+    assert len(cached) == 1
+    manager.check_invariants()
+    assert manager.num_free_blocks == 7
+    # The next step computes token 9 and caches block 1 ([5, 6, 7, 8]), whose KV is all known tokens'.
+    assert manager.allocate_slots(request, 1) == []
+    assert len(cached) == 2
+    manager.free(request)
+    manager.check_invariants()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from izh.config import EngineConfig
+from izh.config import EngineConfig, SpeculativeConfig
 from izh.settings import (
     SECTIONS,
     IzhSettings,
@@ -370,6 +370,10 @@ def test_to_engine_config_maps_every_field() -> None:
         "engine.enable_lora": True,
         "engine.max_loras": 2,
         "engine.max_lora_rank": 8,
+        "speculative.config": '{"method": "ngram", "num_speculative_tokens": 3}',
+        "speculative.prompt_lookup_min": 1,
+        "speculative.prompt_lookup_max": 4,
+        "speculative.disable_by_batch_size": 8,
     }
     config = load_settings(overrides=overrides, env={}).to_engine_config("/models/x.gguf")
     assert config == EngineConfig(
@@ -403,6 +407,13 @@ def test_to_engine_config_maps_every_field() -> None:
         nnodes=2,
         node_rank=1,
         dist_timeout_s=30.0,
+        speculative=SpeculativeConfig(
+            method="ngram",
+            num_speculative_tokens=3,
+            prompt_lookup_min=1,
+            prompt_lookup_max=4,
+            disable_by_batch_size=8,
+        ),
     )
     # No EngineConfig field may keep its default silently: each one differs from it above (but the
     # torchrun rank fields, which come from torchrun's environment: izh.config.with_torchrun_env).
@@ -558,3 +569,28 @@ def test_lora_settings_reach_the_engine_config(tmp_path: Path) -> None:
         load_settings(overrides={"model.lora_modules": ["nopath"]}, env={})
     with pytest.raises(SettingsError, match="repeated: a"):
         load_settings(env={"IZH_MODEL__LORA_MODULES": "a=/x,a=/y"})
+
+
+def test_speculative_config_json_and_section() -> None:
+    """vLLM's --speculative-config JSON fills the [speculative] section (its keys win); bad JSON, an
+    unknown key, an unknown method and min > max are one-line errors naming the setting."""
+    settings = load_settings(
+        overrides={
+            "speculative.config": '{"method": "ngram", "prompt_lookup_max": 3}',
+            "speculative.prompt_lookup_max": 7,
+        },
+        env={},
+    )
+    assert settings.speculative.to_config() == SpeculativeConfig(prompt_lookup_max=3)
+    assert load_settings(env={}).to_engine_config("/m").speculative is None
+    env = {"IZH_SPECULATIVE__METHOD": "ngram", "IZH_SPECULATIVE__NUM_SPECULATIVE_TOKENS": "2"}
+    assert load_settings(env=env).speculative.to_config() == SpeculativeConfig(num_speculative_tokens=2)
+    for config, message in [
+        ("{not json", "not valid JSON"),
+        ('{"methd": "ngram"}', "unknown key(s) methd"),
+        ('{"method": "eagle"}', "speculative.method"),
+        ('{"method": "ngram", "prompt_lookup_min": 6}', "prompt_lookup_min 6 > prompt_lookup_max 5"),
+        ("[1]", "must be a JSON object"),
+    ]:
+        with pytest.raises(SettingsError, match=re.escape(message)):
+            load_settings(overrides={"speculative.config": config}, env={})

@@ -161,6 +161,8 @@ class SamplingFields(RequestBase):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    speculative_decoding: bool = True
+    """izh's extension: false opts the request out of speculative decoding (docs/operations.md)."""
     priority: Int64 = 0
     cache_salt: str | None = None
     prompt_logprobs: int | None = None

@@ -100,6 +100,7 @@ def build_sampling_params(
         "skip_special_tokens": body.skip_special_tokens,
         "spaces_between_special_tokens": body.spaces_between_special_tokens,
         "structured_outputs": structured_outputs,
+        "speculative_decoding": body.speculative_decoding,
     }
     for key in _GENERATION_CONFIG_KEYS:
         value = getattr(body, key)

@@ -232,6 +232,21 @@ class PrometheusStatLogger:
             LABELS,
             registry=self.registry,
         )
+        # vLLM's speculative decoding counters (vllm/v1/spec_decode/metrics.py).
+        self._spec_decode = {
+            key: Counter(f"izh:spec_decode_{key}", help_text, LABELS, registry=self.registry)
+            for key, help_text in (
+                ("num_drafts", "Number of spec decoding drafts."),
+                ("num_draft_tokens", "Number of draft tokens."),
+                ("num_accepted_tokens", "Number of accepted tokens."),
+            )
+        }
+        self._spec_decode_per_pos = Counter(
+            "izh:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            [*LABELS, "position"],
+            registry=self.registry,
+        )
         # vLLM's legacy quirk: a histogram whose name already ends in _total.
         self._iteration_tokens = Histogram(
             "izh:iteration_tokens_total",
@@ -397,6 +412,13 @@ class PrometheusStatLogger:
         self._advance(index, "num_preemptions", s.num_preemptions, m.num_preemptions)
         for num_tokens in s.iteration_tokens:
             m.iteration_tokens.observe(num_tokens)
+        engine_labels = (self._model_name, str(index))
+        for key, counter in self._spec_decode.items():
+            cumulative = getattr(s, f"spec_decode_{key}")
+            self._advance(index, f"spec_decode_{key}", cumulative, counter.labels(*engine_labels))
+        for position, accepted in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            per_pos = self._spec_decode_per_pos.labels(*engine_labels, str(position))
+            self._advance(index, f"spec_decode_per_pos_{position}", accepted, per_pos)
         if self.lora_requests_info is not None:
             labels = (
                 str(self.max_loras),

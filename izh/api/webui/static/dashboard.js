@@ -230,6 +230,12 @@ function render(cur, stats) {
   setMetric("preemptions-rate", `${preemptRate === null ? "—" : fmt(preemptRate * 60, 1)} per minute lately`, preemptRate);
   setMetric("gen-rate", fmt(genRate, 1), genRate);
   setMetric("gen-total", `${fmt(genTotal, 0)} tokens since start`, genTotal);
+  // Speculative decoding: the share of draft tokens the model accepted (shown once a draft was verified).
+  const drafted = counter("spec_decode_num_draft_tokens_total");
+  const accepted = counter("spec_decode_num_accepted_tokens_total");
+  const acceptance = drafted ? accepted / drafted : null;
+  $("spec-accept").hidden = acceptance === null;
+  setMetric("spec-accept", `draft acceptance ${acceptance === null ? "—" : fmt(acceptance * 100, 1) + "%"} of ${fmt(drafted, 0)} draft tokens`, acceptance);
   setMetric("prompt-rate", fmt(promptRate, 1), promptRate);
   setMetric("prompt-total", `${fmt(promptTotal, 0)} tokens since start`, promptTotal);
   renderLatencies(cur, windowScrape);
