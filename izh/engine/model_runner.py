@@ -53,24 +53,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_fast_bfloat16() -> bool:
-    """AVX512-BF16 or AMX: bfloat16 matmuls run natively (elsewhere they are emulated and slower)."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-
-
-def resolve_dtype(name: str, device: torch.device, *, quantized_checkpoint: bool = False) -> torch.dtype:
-    """auto: bfloat16 on CUDA; on CPU float32, except bfloat16 for a quantized checkpoint (a Q4 GGUF's
-    weights carry far less precision than bfloat16) where izh's bfloat16 record kernels run (the avx512
-    and amx variants), or, without izh's C kernels, where the CPU has native bfloat16. Never a dtype the
-    CPU only emulates."""
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA, float32 on a CPU. A CPU model packed in izh's records (a quantized GGUF)
+    runs float32 activations with int8 ones inside the matmuls (izh.kernels.cpu, records_f32.c) on every
+    kernel variant, prefills and decodes alike: exact integer dot products and one fixed float epilogue,
+    so a request's logits do not depend on the batch (docs/operations.md, "Batch invariance")."""
     if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        if quantized_checkpoint and device.type == "cpu":
-            fast_bf16 = cpu_ops.qgemm_available() if cpu_ops.available() else cpu_has_fast_bfloat16()
-            if fast_bf16:
-                return torch.bfloat16
-        return torch.float32
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
         return _DTYPES[name]
     except KeyError:
@@ -154,7 +143,7 @@ class ModelRunner:
         # Which C kernel variant runs, and where it is cached; a forced variant this CPU lacks fails here.
         cpu_ops.configure(cpu_kernels_for(self.device, config.cpu_kernels), config.cache_dir)
         source_types = checkpoint_quant_types(config.model)
-        self.dtype = resolve_dtype(config.dtype, self.device, quantized_checkpoint=bool(source_types))
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.quantization = resolve_quantization(
             config.quantization, device=self.device, dtype=self.dtype, source_types=source_types
         )

@@ -53,7 +53,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_ABI_VERSION = 6  # izh_cpu_abi_version() in csrc/abi.c
+_ABI_VERSION = 7  # izh_cpu_abi_version() in csrc/abi.c
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # x, x_stride, w, out, n, hidden, eps, nt
@@ -70,6 +70,11 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         _INT,
         [*(_P, _I64, _I64) * 3, _P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _INT],
     ),
+    # as paged_decode_attention, with row_seq and num_seqs after max_blocks
+    "paged_attention": (
+        _INT,
+        [*(_P, _I64, _I64) * 3, _P, _I64, _I64, _I64, _P, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _INT],
+    ),
 }
 
 
@@ -83,6 +88,7 @@ class _Kernels(NamedTuple):
     rotary: Any
     silu_mul: Any
     paged_decode_attention: Any
+    paged_attention: Any
 
 
 @dataclass(frozen=True, slots=True, eq=False)

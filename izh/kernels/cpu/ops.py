@@ -42,6 +42,7 @@ __all__ = [
     "add_rms_norm_",
     "argmax_rows",
     "decode_stack",
+    "paged_attention",
     "paged_decode_attention",
     "q4_matmul",
     "q8_matmul",
@@ -165,6 +166,7 @@ _ATTENTION_ERRORS = {
     -2: "a seq_len is negative or longer than its block table covers",
     -3: "a block table entry is outside the cache",
     -4: "out of memory for the attention scratch",
+    -5: "a row's sequence index is outside the block table",
 }
 
 
@@ -186,8 +188,49 @@ def paged_decode_attention(
     new contiguous [n, H, d]. Raises IndexError, before writing anything, when an index points outside
     the cache or the block table.
     """
+    return _paged_attention(query, key, value, kv_cache, slot_mapping, block_tables, None, seq_lens, scale)
+
+
+def paged_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    block_tables: Tensor,
+    row_seq: Tensor,
+    row_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    """Attention for any rows (prefill chunks, decodes, mixed): write every row's K/V into the cache, then
+    row i attends to positions 0 .. row_lens[i] - 1 of sequence row_seq[i] (block table
+    block_tables[row_seq[i]]; a prefill token's length is its position + 1).
+
+    The C kernel computes each row exactly as `paged_decode_attention` computes a decode at that length,
+    so a token's attention is bit-identical whatever the batch, the chunking, or decode against prefill.
+    row_seq / row_lens int32 [n]; the rest as `paged_decode_attention`. The reference is
+    `paged_decode_attention_ref` over block_tables[row_seq]."""
+    return _paged_attention(query, key, value, kv_cache, slot_mapping, block_tables, row_seq, row_lens, scale)
+
+
+def _paged_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    block_tables: Tensor,
+    row_seq: Tensor | None,
+    seq_lens: Tensor,
+    scale: float,
+) -> Tensor:
     dtype = query.dtype
     k = (STATE.active or resolve()).kernels.get(dtype)
+
+    def reference() -> Tensor:
+        tables = block_tables if row_seq is None else block_tables.index_select(0, row_seq.long())
+        return paged_decode_attention_ref(query, key, value, kv_cache, slot_mapping, tables, seq_lens, scale)
+
     if not (
         k is not None
         and key.dtype == dtype
@@ -200,6 +243,7 @@ def paged_decode_attention(
         and slot_mapping.is_cpu
         and block_tables.is_cpu
         and seq_lens.is_cpu
+        and (row_seq is None or row_seq.is_cpu)
         and query.dim() == 3
         and key.dim() == 3
         and value.dim() == 3
@@ -207,16 +251,12 @@ def paged_decode_attention(
         and block_tables.dim() == 2
         and kv_cache.is_contiguous()
     ):
-        return paged_decode_attention_ref(
-            query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, scale
-        )
+        return reference()
     n, num_heads, head_dim = query.shape
     _, num_blocks, block_size, num_kv_heads, cache_dim = kv_cache.shape
     q_stride, k_stride, v_stride = query.stride(), key.stride(), value.stride()
     if q_stride[2] != 1 or k_stride[2] != 1 or v_stride[2] != 1 or head_dim > _MAX_HEAD_DIM:
-        return paged_decode_attention_ref(
-            query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, scale
-        )
+        return reference()
     kv_shape = (n, num_kv_heads, head_dim)
     if (
         cache_dim != head_dim
@@ -225,7 +265,8 @@ def paged_decode_attention(
         or value.shape != kv_shape
         or slot_mapping.shape != (n,)
         or seq_lens.shape != (n,)
-        or block_tables.shape[0] != n
+        or (row_seq is None and block_tables.shape[0] != n)
+        or (row_seq is not None and row_seq.shape != (n,))
     ):
         shapes = {
             "query": query,
@@ -236,16 +277,20 @@ def paged_decode_attention(
             "block_tables": block_tables,
             "seq_lens": seq_lens,
         }
+        if row_seq is not None:
+            shapes["row_seq"] = row_seq
         listed = ", ".join(f"{name} {tuple(t.shape)}" for name, t in shapes.items())
-        raise ValueError(f"paged_decode_attention: shapes do not match: {listed}")
+        raise ValueError(f"paged attention: shapes do not match: {listed}")
     if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
         slot_mapping = slot_mapping.to(torch.int64).contiguous()
     if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
         block_tables = block_tables.to(torch.int32).contiguous()
     if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
         seq_lens = seq_lens.to(torch.int32).contiguous()
+    if row_seq is not None and (row_seq.dtype != torch.int32 or not row_seq.is_contiguous()):
+        row_seq = row_seq.to(torch.int32).contiguous()
     out = query.new_empty(n, num_heads, head_dim)
-    rc = k.paged_decode_attention(
+    common = (
         query.data_ptr(),
         q_stride[0],
         q_stride[1],
@@ -262,16 +307,14 @@ def paged_decode_attention(
         slot_mapping.data_ptr(),
         block_tables.data_ptr(),
         block_tables.shape[1],
-        seq_lens.data_ptr(),
-        out.data_ptr(),
-        n,
-        num_heads,
-        head_dim,
-        scale,
-        torch.get_num_threads(),
     )
+    tail = (seq_lens.data_ptr(), out.data_ptr(), n, num_heads, head_dim, scale, torch.get_num_threads())
+    if row_seq is None:
+        rc = k.paged_decode_attention(*common, *tail)
+    else:
+        rc = k.paged_attention(*common, row_seq.data_ptr(), block_tables.shape[0], *tail)
     if rc != 0:
-        raise IndexError(f"paged_decode_attention: {_ATTENTION_ERRORS.get(rc, f'error {rc}')}")
+        raise IndexError(f"paged attention: {_ATTENTION_ERRORS.get(rc, f'error {rc}')}")
     return out
 
 
@@ -424,7 +467,7 @@ def decode_stack(
         torch.get_num_threads(),
     )
     if rc != 0:
-        if rc in _ATTENTION_ERRORS and rc != -4:
+        if rc in _ATTENTION_ERRORS and rc not in (-4, -5):
             raise IndexError(f"decode_stack: {_ATTENTION_ERRORS[rc]}")
         reasons = {-4: "out of memory", -5: "too many rows", -6: "a matmul refused its shape"}
         raise RuntimeError(f"decode_stack failed: {reasons.get(rc, f'code {rc}')}")
