@@ -73,7 +73,25 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # as paged_decode_attention, with row_seq and num_seqs after max_blocks
     "paged_attention": (
         _INT,
-        [*(_P, _I64, _I64) * 3, _P, _I64, _I64, _I64, _P, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _INT],
+        [
+            *(_P, _I64, _I64) * 3,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _P,
+            _P,
+            _I64,
+            _P,
+            _I64,
+            _P,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _F32,
+            _INT,
+        ],
     ),
 }
 
