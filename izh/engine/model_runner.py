@@ -239,8 +239,38 @@ class ModelRunner:
                 torch.cuda.Event(enable_timing=True),
                 torch.cuda.Event(enable_timing=True),
             )
+        if self.device.type == "cpu" and not self.is_encoder and self.tp_runtime is None:
+            self._warm_up()
 
     # --- set-up ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """One prefill chunk and two decode steps of a dummy sequence in the KV cache's first blocks (then
+        zeroed again), with their logits into the step buffer: the first requests then find the buffers
+        the steps keep (the logits buffer, the kernels' per-thread activation buffers, the allocator's
+        arenas) already grown and faulted in, the OpenMP team started, and every code path of a step run
+        once, instead of paying for it inside the first responses."""
+        tokens = min(64, self.max_model_len - 2, self.num_blocks * self.block_size - 2)
+        if tokens < 1:
+            return
+        blocks = list(range(-(-(tokens + 2) // self.block_size)))
+        dev = self.device
+        logits = self._logits_buffer(1)
+        if logits is not None:
+            logits.zero_()  # fault in every page of the reused buffer now
+        token_id = min(1, self.vocab_size - 1)
+        for start, count in ((0, tokens), (tokens, 1), (tokens + 1, 1)):
+            meta = AttentionMetadata.from_block_tables(
+                [count], [start + count], [blocks], self.block_size, dev
+            )
+            ids = torch.full((count,), token_id, dtype=torch.long, device=dev)
+            positions = torch.arange(start, start + count, dtype=torch.long, device=dev)
+            hidden = self.model(ids, positions, meta)
+            self.model.compute_logits(hidden[-1:], out=logits)
+        index = torch.tensor(blocks, dtype=torch.long, device=dev)
+        for cache in self.kv_caches:
+            cache.index_fill_(1, index, 0.0)
 
     @staticmethod
     def _cpu_threads(config: EngineConfig) -> int:
