@@ -178,3 +178,40 @@ def test_seeded_n_samples_repeat_at_any_load(variant: str, tiny_gguf_factory) ->
     busy = [{"prompt_token_ids": p} for p in PROMPTS[1:]]
     mixed = llm.generate([*busy[:2], prompt, *busy[2:]], [other, other, seeded, other, other, other])
     assert samples(mixed, 2) == first
+
+
+def test_lora_logits_do_not_depend_on_the_batch(variant: str, tiny_checkpoint_factory, tmp_path) -> None:
+    """Adapter tokens in prefills and mixed steps get the fused decode stack's own LoRA kernel: a request on
+    an adapter has the same logits alone (its decodes on the stack) and batched with base requests and
+    other prompts (its decodes in mixed steps, through the modules), chunked or not."""
+    from tests.fixtures.lora import build_peft_adapter
+
+    base = tiny_checkpoint_factory("llama")
+    adapter = build_peft_adapter(base, tmp_path / "a", r=8, alpha=16, seed=1)
+
+    def engine(**kwargs: Any) -> tuple[LLM, LogitsRecorder]:
+        llm = LLM(
+            base,
+            cpu_kernels=variant,
+            quantization="int4",
+            kv_cache_memory_bytes=8 << 20,
+            max_model_len=96,
+            enable_prefix_caching=False,
+            lora_modules={"a": adapter},
+            **kwargs,
+        )
+        return llm, LogitsRecorder(llm)
+
+    def run(llm: LLM, rec: LogitsRecorder, prompts: list[list[int]], names: list[str | None]) -> list[Result]:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, lora_name=names)
+        return [Result(rec.rows.pop(o.request_id), o.outputs[0].token_ids) for o in outputs]
+
+    llm, rec = engine()
+    names: list[str | None] = ["a", None, "a", None, "a", None]
+    alone = [run(llm, rec, [p], [n])[0] for p, n in zip(PROMPTS, names, strict=True)]
+    assert alone[0].tokens != run(llm, rec, [PROMPTS[0]], [None])[0].tokens  # the adapter matters
+    for i, result in enumerate(run(llm, rec, PROMPTS, names)):
+        _assert_same(result, alone[i], f"LoRA batched, prompt {i}")
+    chunked, rec_chunked = engine(max_num_batched_tokens=16, max_num_seqs=4)
+    for i, result in enumerate(run(chunked, rec_chunked, PROMPTS, names)):
+        _assert_same(result, alone[i], f"LoRA chunked, prompt {i}")

@@ -125,6 +125,9 @@ class CpuLibrary:
     qgemm_max_rows: int = 0
     records_f32: tuple[Any, ...] = ()
     """(q4, q8, decode stack) over records with float32 activations: every variant has them."""
+    lora_f32: Any = None
+    """`izh_lora_add_f32` (csrc/lora.c): float32 LoRA deltas of a linear's rows, as the decode stack adds
+    them."""
     handle: ctypes.CDLL | None = None  # keeps the library mapped
 
 
@@ -181,9 +184,12 @@ def _bind_library(name: str, path: Path) -> CpuLibrary:
         stack_f32.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _P, _P, _P, _P]
         stack_f32.argtypes += [_P, _P, _I64, _P, _I64, _I64, _P, _I64, _P, _P, _INT]
         records_f32 = (lib.izh_q4_gemm_f32, lib.izh_q8_gemm_f32, stack_f32)
+        lora_f32 = lib.izh_lora_add_f32
+        lora_f32.restype = _INT
+        lora_f32.argtypes = [_P, _I64, _I64, _P, _I64, _P, _I64, _P, _P, _INT]
     except (OSError, AttributeError) as exc:
         raise KernelLoadError(f"cannot load {path}: {exc}") from exc
-    return CpuLibrary(name, path, kernels, sampling, qgemm, max_rows, records_f32, lib)
+    return CpuLibrary(name, path, kernels, sampling, qgemm, max_rows, records_f32, lora_f32, lib)
 
 
 @dataclass(slots=True)

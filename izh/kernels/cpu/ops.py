@@ -42,6 +42,7 @@ __all__ = [
     "add_rms_norm_",
     "argmax_rows",
     "decode_stack",
+    "lora_add_",
     "paged_attention",
     "paged_decode_attention",
     "q4_matmul",
@@ -472,6 +473,50 @@ def decode_stack(
         reasons = {-4: "out of memory", -5: "too many rows", -6: "a matmul refused its shape"}
         raise RuntimeError(f"decode_stack failed: {reasons.get(rc, f'code {rc}')}")
     return out
+
+
+def lora_add_(
+    x: Tensor, out: Tensor, linear: Tensor, rank: int, row_slots: Tensor, slot_ranks: Tensor
+) -> bool:
+    """out [M, N] += each row's LoRA delta through the C kernel the fused decode stack calls after its
+    matmuls (csrc/lora.c), so that a prefill or mixed step adds exactly the stack's deltas: x [M, K] and
+    out float32, contiguous, on the CPU; linear int64 [STACK_LORA_LINEAR] (A, Bt, n, the n + 1 shard
+    bounds padded to 4; A and Bt float32 [slots, n * rank, K | N]); row_slots int32 [M] (-1: the base
+    model); slot_ranks int32 [slots]. Returns False, touching nothing, when the kernel does not apply."""
+    fn = (STATE.active or resolve()).lora_f32
+    if not (
+        fn is not None
+        and x.dtype == torch.float32
+        and out.dtype == torch.float32
+        and x.is_cpu
+        and out.is_cpu
+        and x.dim() == 2
+        and out.dim() == 2
+        and x.is_contiguous()
+        and out.is_contiguous()
+        and x.shape[0] == out.shape[0] == row_slots.shape[0]
+        and row_slots.dtype == torch.int32
+        and slot_ranks.dtype == torch.int32
+        and row_slots.is_contiguous()
+        and slot_ranks.is_contiguous()
+    ):
+        return False
+    m, k = x.shape
+    rc = fn(
+        x.data_ptr(),
+        m,
+        k,
+        out.data_ptr(),
+        out.shape[1],
+        linear.data_ptr(),
+        rank,
+        row_slots.data_ptr(),
+        slot_ranks.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError("lora_add_: out of memory")
+    return True
 
 
 # --- greedy and random rows -------------------------------------------------------------------------------
