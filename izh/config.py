@@ -32,11 +32,10 @@ class EngineConfig:
     """A local GGUF file or Hugging Face folder (already resolved; never a bare model name)."""
     served_model_name: str = "model"
     dtype: str = "auto"
-    """auto | float32 | bfloat16 | float16; auto is bfloat16 on CUDA, and on CPU bfloat16 for a
-    quantized GGUF where izh's bfloat16 record kernels run (AVX512-BF16 / AMX), float32 otherwise."""
+    """auto | float32 | bfloat16 | float16; auto is bfloat16 on CUDA, float32 on CPU."""
     quantization: str = "auto"
-    """auto | none | int4 | int8: weight-only packed matmuls on CPU (every step in float32, small steps in
-    bfloat16); auto packs what a GGUF stores quantized, int4 / int8 pack every linear."""
+    """auto | none | int4 | int8: weight-only packed matmuls on CPU (every step in float32; with an explicit
+    bfloat16 dtype, small steps only); auto packs what a GGUF stores quantized, int4 / int8 pack every linear."""
     device: str = "auto"
     """auto | cpu | cuda."""
     max_model_len: int | None = None

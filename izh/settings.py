@@ -185,14 +185,14 @@ class ModelSettings(_Section):
     )
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], CaseInsensitive] = Field(
         default="auto",
-        description="Weight and activation dtype; auto is bfloat16 on CUDA, and on CPU bfloat16 for a "
-        "quantized GGUF where izh's bfloat16 kernels run (AVX512-BF16 or AMX), else float32 (never a "
-        "dtype the CPU only emulates).",
+        description="Weight and activation dtype; auto is bfloat16 on CUDA and float32 on CPU (a packed "
+        "model's matmuls then run izh's integer record kernels at every batch size: batch-invariant "
+        "logits).",
     )
     quantization: Annotated[Literal["auto", "none", "int4", "int8"], CaseInsensitive] = Field(
         default="auto",
-        description="Weight-only packed matmuls on CPU (every step in float32; decode steps of up to 8 "
-        "or 64 rows in bfloat16): auto packs what a GGUF stores quantized (Q4 as int4, exact); int4 / "
+        description="Weight-only packed matmuls on CPU (every step in float32; with an explicit "
+        "bfloat16 dtype, decode steps of up to 8 or 64 rows, dense copies above): auto packs what a GGUF stores quantized (Q4 as int4, exact); int4 / "
         "int8 pack every linear (lossy for a float checkpoint); none keeps dense weights only.",
     )
     device: Annotated[Literal["auto", "cpu", "cuda"], CaseInsensitive] = Field(

@@ -86,7 +86,7 @@ def show(
 
 def resolved_here(settings: IzhSettings) -> dict[str, str]:
     """What the engine would put in force on this machine for `settings`, without loading anything:
-    the C kernel variant (and why) and the dtype `model.dtype` resolves to (dense and quantized)."""
+    the C kernel variant (and why) and the dtype `model.dtype` resolves to."""
     import shutil
 
     from izh.engine.model_runner import resolve_device, resolve_dtype
@@ -109,8 +109,5 @@ def resolved_here(settings: IzhSettings) -> dict[str, str]:
     except ModelLoadError as exc:
         return {"cpu_kernels": kernels, "dtype": f"error: {exc}"}
     dense = resolve_dtype(settings.model.dtype, device)
-    quantized = resolve_dtype(settings.model.dtype, device, quantized_checkpoint=True)
     dtype = f"{settings.model.dtype} -> {str(dense).removeprefix('torch.')} on {device.type}"
-    if settings.model.dtype == "auto":
-        dtype += f", {str(quantized).removeprefix('torch.')} for a quantized GGUF"
     return {"cpu_kernels": kernels, "dtype": dtype}

@@ -62,24 +62,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_fast_bfloat16() -> bool:
-    """AVX512-BF16 or AMX: bfloat16 matmuls run natively (elsewhere they are emulated and slower)."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-
-
-def resolve_dtype(name: str, device: torch.device, *, quantized_checkpoint: bool = False) -> torch.dtype:
-    """auto: bfloat16 on CUDA; on CPU float32, except bfloat16 for a quantized checkpoint (a Q4 GGUF's
-    weights carry far less precision than bfloat16) where izh's bfloat16 record kernels run (the avx512
-    and amx variants), or, without izh's C kernels, where the CPU has native bfloat16. Never a dtype the
-    CPU only emulates."""
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA, float32 on a CPU. A CPU model packed in izh's records (a quantized GGUF)
+    runs float32 activations with int8 ones inside the matmuls (izh.kernels.cpu, records_f32.c) on every
+    kernel variant, prefills and decodes alike: exact integer dot products and one fixed float epilogue,
+    so a request's logits do not depend on the batch (docs/operations.md, "Batch invariance")."""
     if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        if quantized_checkpoint and device.type == "cpu":
-            fast_bf16 = cpu_ops.qgemm_available() if cpu_ops.available() else cpu_has_fast_bfloat16()
-            if fast_bf16:
-                return torch.bfloat16
-        return torch.float32
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
         return _DTYPES[name]
     except KeyError:
@@ -164,7 +153,7 @@ class ModelRunner:
         # Which C kernel variant runs, and where it is cached; a forced variant this CPU lacks fails here.
         cpu_ops.configure(cpu_kernels_for(self.device, config.cpu_kernels), config.cache_dir)
         source_types = checkpoint_quant_types(config.model)
-        self.dtype = resolve_dtype(config.dtype, self.device, quantized_checkpoint=bool(source_types))
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.quantization = resolve_quantization(
             config.quantization, device=self.device, dtype=self.dtype, source_types=source_types
         )
@@ -265,8 +254,38 @@ class ModelRunner:
                 torch.cuda.Event(enable_timing=True),
                 torch.cuda.Event(enable_timing=True),
             )
+        if self.device.type == "cpu" and not self.is_encoder and self.tp_runtime is None:
+            self._warm_up()
 
     # --- set-up ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """One prefill chunk and two decode steps of a dummy sequence in the KV cache's first blocks (then
+        zeroed again), with their logits into the step buffer: the first requests then find the buffers
+        the steps keep (the logits buffer, the kernels' per-thread activation buffers, the allocator's
+        arenas) already grown and faulted in, the OpenMP team started, and every code path of a step run
+        once, instead of paying for it inside the first responses."""
+        tokens = min(64, self.max_model_len - 2, self.num_blocks * self.block_size - 2)
+        if tokens < 1:
+            return
+        blocks = list(range(-(-(tokens + 2) // self.block_size)))
+        dev = self.device
+        logits = self._logits_buffer(1)
+        if logits is not None:
+            logits.zero_()  # fault in every page of the reused buffer now
+        token_id = min(1, self.vocab_size - 1)
+        for start, count in ((0, tokens), (tokens, 1), (tokens + 1, 1)):
+            meta = AttentionMetadata.from_block_tables(
+                [count], [start + count], [blocks], self.block_size, dev
+            )
+            ids = torch.full((count,), token_id, dtype=torch.long, device=dev)
+            positions = torch.arange(start, start + count, dtype=torch.long, device=dev)
+            hidden = self.model(ids, positions, meta)
+            self.model.compute_logits(hidden[-1:], out=logits)
+        index = torch.tensor(blocks, dtype=torch.long, device=dev)
+        for cache in self.kv_caches:
+            cache.index_fill_(1, index, 0.0)
 
     @staticmethod
     def _cpu_threads(config: EngineConfig) -> int:

@@ -8,6 +8,7 @@ cache is one tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_di
 
 from __future__ import annotations
 
+import itertools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -227,8 +228,10 @@ class _SeqGroup:
 
 
 class PagedTorchAttentionBackend(AttentionBackend):
-    """Paged KV cache in plain torch: write this step's K/V, gather each sequence's context through its
-    block table into a padded batch, one masked SDPA per group of sequences.
+    """Paged KV cache on the CPU: with izh's C kernels (float32 or bfloat16), one call writes this step's
+    K/V and attends each token from the blocks, a prefill token exactly as a decode at its position
+    (`cpu_ops.paged_attention`: batch- and chunking-invariant). Otherwise plain torch: gather each
+    sequence's context through its block table into a padded batch, one masked SDPA per group of sequences.
 
     Query heads sharing a KV head are folded into the query-length axis ([S, kv_heads, group*Lq, d]), so
     GQA needs no repeated K/V. Mixed batches (prefill chunks over cached context plus decodes) work.
@@ -260,6 +263,21 @@ class PagedTorchAttentionBackend(AttentionBackend):
                 attn_metadata.slot_mapping,
                 attn_metadata.block_tables,
                 attn_metadata.seq_lens,
+                scale,
+            )
+        if fused:
+            # Prefill chunks (with any decodes): every token attends as a decode at its position would,
+            # in one C call, so its result depends on neither the batch nor the chunking.
+            row_seq, row_lens = _token_rows(attn_metadata)
+            return cpu_ops.paged_attention(
+                query,
+                key,
+                value,
+                kv_cache,
+                attn_metadata.slot_mapping,
+                attn_metadata.block_tables,
+                row_seq,
+                row_lens,
                 scale,
             )
         num_tokens, num_heads, head_dim = query.shape
@@ -341,6 +359,23 @@ class PagedTorchAttentionBackend(AttentionBackend):
             cached = _build_groups(meta, block_size, group, device)
             meta.derived[key] = cached
         return cached
+
+
+def _token_rows(meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+    """Per token of the step: its sequence's index and the context it sees (its position + 1), int32
+    (built once per step)."""
+    cached = meta.derived.get("token_rows")
+    if cached is None:
+        query_lens = meta.host_query_lens()
+        seq_lens = meta.host_seq_lens()
+        seqs = torch.repeat_interleave(
+            torch.arange(len(query_lens), dtype=torch.int32), torch.tensor(query_lens)
+        )
+        starts = torch.tensor([s - q for q, s in zip(query_lens, seq_lens, strict=True)], dtype=torch.int32)
+        firsts = torch.tensor([0, *itertools.accumulate(query_lens)][:-1], dtype=torch.int32)
+        lens = torch.arange(1, len(seqs) + 1, dtype=torch.int32) + (starts - firsts)[seqs.long()]
+        cached = meta.derived["token_rows"] = (seqs, lens)
+    return cached
 
 
 def _build_groups(

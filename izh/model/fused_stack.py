@@ -10,8 +10,9 @@ mixed steps, larger decode steps, per-head q/k norms, other backends).
 
 Decode steps with LoRA adapter tokens stay on the stack: it is given the adapters' stacked A and Bt buffers
 (izh.model.lora, one pointer pair per layer and linear, built once per `LoraModel`) and each token's slot,
-and adds the deltas after each record matmul (csrc/lora.c). Those match the module path's hooks up to the
-summation order inside the two small products (tokens equal in float32 but for near ties).
+and adds the deltas after each record matmul (csrc/lora.c). In float32 the module path's hooks call the same
+kernel (`cpu_ops.lora_add_`), so a token's deltas are bit-identical on either path; in bfloat16 the hooks'
+`bmm`s sum in another order (tokens equal but for near ties).
 """
 
 from __future__ import annotations

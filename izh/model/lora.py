@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from izh.errors import LoraAdapterError
+from izh.kernels import cpu as cpu_ops
 from izh.model.config import ModelConfig
 from izh.model.layers import Linear
 
@@ -252,6 +253,7 @@ class LoraLinear:
         self.bt = torch.zeros(num_slots, n * max_rank, out_features, dtype=weight.dtype, device=weight.device)
         self.shard_bounds = [self.rows[0][0]] + [end for _, end in self.rows]
         """The column bounds of the shards in the output (n + 1 numbers)."""
+        self._fields: Tensor | None = None
 
     def set_slot(self, slot: int, adapter: LoraAdapter | None, layer: int) -> None:
         """Copy the adapter's weights for this linear into `slot` (zeros where it has none)."""
@@ -269,12 +271,27 @@ class LoraLinear:
             self.a[slot, i : r * n : n].copy_(a)  # rank-major: rank j of shard i at row j * n + i
             self.bt[slot, i : r * n : n, start:end].copy_((b * adapter.scaling).t())
 
+    def stack_fields(self) -> Tensor:
+        """This linear's row of the C side's LoRA table (A, Bt, n, the shard bounds padded to 4), built
+        once (the buffers never move)."""
+        if self._fields is None:
+            bounds = self.shard_bounds + [0] * (4 - len(self.shard_bounds))
+            fields = [self.a.data_ptr(), self.bt.data_ptr(), len(self.projections), *bounds]
+            self._fields = torch.tensor(fields, dtype=torch.int64)
+        return self._fields
+
     def hook(self, module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> Tensor:
-        """forward hook: output += the batch's adapter deltas (in place; the base output is fresh)."""
+        """forward hook: output += the batch's adapter deltas (in place; the base output is fresh). On a
+        CPU in float32 with the C kernels, through the fused decode stack's own LoRA kernel, row by row:
+        the same bits as a decode step on the stack, whatever the batch (else two `bmm`s)."""
         batch = self.owner.batch
         if batch is None:
             return output
         x = args[0]
+        if len(self.shard_bounds) <= 4 and cpu_ops.lora_add_(
+            x, output, self.stack_fields(), self.max_rank, batch.row_slots, self.owner.slot_ranks
+        ):
+            return output
         s = batch.num_segments
         k = batch.rank * len(self.projections)
         if batch.slot_range is not None:

@@ -10,7 +10,6 @@ import torch
 from izh import LLM, SamplingParams
 from izh.engine_messages import AddRequest
 from izh.errors import ContextLengthExceeded, InvalidRequest
-from izh.kernels import cpu as cpu_ops
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -214,8 +213,8 @@ def test_bad_requests_fail_alone(llama: LLM) -> None:
 def test_smollm2_chat_greedy_equals_transformers(smollm2_gguf: str, smollm2_hf_reference) -> None:
     from tests.fixtures.smollm2 import NUM_GENERATED, SMOLLM2_CHAT_MESSAGES
 
-    # float32 and dense weights, as transformers runs the dequantized GGUF (auto would take bfloat16 + int4).
-    llm = LLM(smollm2_gguf, dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    # Dense float32 weights, as transformers runs the dequantized GGUF (auto would pack them as int4).
+    llm = LLM(smollm2_gguf, quantization="none", kv_cache_memory_bytes=64 << 20, max_model_len=512)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_GENERATED, ignore_eos=True)
     out = llm.chat(SMOLLM2_CHAT_MESSAGES, params)[0]
     assert out.prompt_token_ids == smollm2_hf_reference.prompt_ids
@@ -225,14 +224,13 @@ def test_smollm2_chat_greedy_equals_transformers(smollm2_gguf: str, smollm2_hf_r
 
 @pytest.mark.slow
 def test_smollm2_default_int4_answers_like_transformers(smollm2_gguf: str, smollm2_hf_reference) -> None:
-    """The default settings on every CPU: int4 records, with bfloat16 activations where the bfloat16
-    kernels run and float32 ones (int8 inside the matmuls) elsewhere."""
+    """The default settings on every CPU: int4 records with float32 activations (int8 inside the
+    matmuls)."""
     from tests.fixtures.smollm2 import NUM_GENERATED, SMOLLM2_CHAT_MESSAGES
 
     llm = LLM(smollm2_gguf, kv_cache_memory_bytes=64 << 20, max_model_len=512)
     runner = llm.engine_core.runner
-    assert runner.dtype == (torch.bfloat16 if cpu_ops.qgemm_available() else torch.float32)
-    assert runner.quantization == "int4"
+    assert (runner.dtype, runner.quantization) == (torch.float32, "int4")
     params = SamplingParams(temperature=0.0, max_tokens=NUM_GENERATED, ignore_eos=True)
     out = llm.chat(SMOLLM2_CHAT_MESSAGES, params)[0].outputs[0]
     # Other kernels and roundings than float32: the answer (its first 8 tokens) must still be the same.

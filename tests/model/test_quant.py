@@ -158,23 +158,19 @@ def test_small_batches_use_the_packed_weights_and_stay_close_to_dense(tiny_gguf_
     assert torch.allclose(small.float(), big[:rows].float(), rtol=0.05, atol=0.02)
 
 
-def test_engine_picks_the_fast_dtype_and_int4_for_a_q4_gguf_and_generates_like_dense(
+def test_engine_picks_float32_and_int4_for_a_q4_gguf_and_generates_like_dense(
     tiny_gguf_factory,
 ) -> None:
-    """auto: bfloat16 where izh's bfloat16 record kernels run (AVX512-BF16), float32 elsewhere (never an
-    emulated bfloat16); int4 either way, on every CPU with the C kernels."""
+    """auto: float32 activations over int4 records on every CPU with the C kernels (one packed path, the
+    integer record kernels, at every batch size and on every variant)."""
     path = tiny_gguf_factory("llama", "Q4_1")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
     prompt = [{"prompt_token_ids": [5, 17, 33, 9, 61, 2]}]
     auto = LLM(path, kv_cache_memory_bytes=4 << 20)
     runner = auto.engine_core.runner
-    expected = torch.bfloat16 if cpu_ops.qgemm_available() else torch.float32
-    assert (runner.dtype, runner.quantization) == (expected, "int4")
-    dtype = str(expected).removeprefix("torch.")
-    dense = LLM(path, kv_cache_memory_bytes=4 << 20, quantization="none", dtype=dtype)
-    assert dense.engine_core.runner.quantization == "none"
-    fp32 = LLM(path, kv_cache_memory_bytes=4 << 20, dtype="float32")
-    assert (fp32.engine_core.runner.dtype, fp32.engine_core.runner.quantization) == (torch.float32, "int4")
+    assert (runner.dtype, runner.quantization) == (torch.float32, "int4")
+    dense = LLM(path, kv_cache_memory_bytes=4 << 20, quantization="none")
+    assert (dense.engine_core.runner.dtype, dense.engine_core.runner.quantization) == (torch.float32, "none")
     packed_out = auto.generate(prompt, params)[0].outputs[0]
     dense_out = dense.generate(prompt, params)[0].outputs[0]
     assert len(packed_out.token_ids) == 8

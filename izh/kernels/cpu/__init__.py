@@ -2,9 +2,10 @@
 
 A decode step of a small model on CPU is dominated by per-op dispatch (~5 us a torch op, ~35 ops a
 layer). These kernels fuse the elementwise chains into one call each: `rms_norm`, `add_rms_norm_`,
-`rotary_`, `silu_mul`, and `paged_decode_attention` (K/V write + attention over the paged cache for a batch
-of single-token decodes), plus the sampler's `argmax_rows`, `sample_rows` and `top_p_mask_`. Each has a
-public `*_ref` in plain torch that defines its semantics; the C kernel is used when it applies, else the
+`rotary_`, `silu_mul`, `paged_decode_attention` (K/V write + attention over the paged cache for a batch
+of single-token decodes) and `paged_attention` (the same for any rows, prefill chunks included, each token
+computed as the decode kernel computes it at that position), plus the sampler's `argmax_rows`,
+`sample_rows` and `top_p_mask_`. Each has a public `*_ref` in plain torch that defines its semantics; the C kernel is used when it applies, else the
 reference, so every function works everywhere.
 
 With AVX512-BW and AVX512-BF16 (the avx512 and amx variants: `qgemm_available()`), the library also has
@@ -48,6 +49,8 @@ from izh.kernels.cpu.ops import (
     add_rms_norm_,
     argmax_rows,
     decode_stack,
+    lora_add_,
+    paged_attention,
     paged_decode_attention,
     q4_matmul,
     q8_matmul,
@@ -105,8 +108,10 @@ __all__ = [
     "default_cache_dir",
     "inverse_cdf_ref",
     "load_variant",
+    "lora_add_",
     "pack_q4",
     "pack_q8",
+    "paged_attention",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "q4_matmul",

@@ -53,7 +53,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_ABI_VERSION = 6  # izh_cpu_abi_version() in csrc/abi.c
+_ABI_VERSION = 7  # izh_cpu_abi_version() in csrc/abi.c
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # x, x_stride, w, out, n, hidden, eps, nt
@@ -70,6 +70,29 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         _INT,
         [*(_P, _I64, _I64) * 3, _P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _INT],
     ),
+    # as paged_decode_attention, with row_seq and num_seqs after max_blocks
+    "paged_attention": (
+        _INT,
+        [
+            *(_P, _I64, _I64) * 3,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _P,
+            _P,
+            _I64,
+            _P,
+            _I64,
+            _P,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _F32,
+            _INT,
+        ],
+    ),
 }
 
 
@@ -83,6 +106,7 @@ class _Kernels(NamedTuple):
     rotary: Any
     silu_mul: Any
     paged_decode_attention: Any
+    paged_attention: Any
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -101,6 +125,9 @@ class CpuLibrary:
     qgemm_max_rows: int = 0
     records_f32: tuple[Any, ...] = ()
     """(q4, q8, decode stack) over records with float32 activations: every variant has them."""
+    lora_f32: Any = None
+    """`izh_lora_add_f32` (csrc/lora.c): float32 LoRA deltas of a linear's rows, as the decode stack adds
+    them."""
     handle: ctypes.CDLL | None = None  # keeps the library mapped
 
 
@@ -157,9 +184,12 @@ def _bind_library(name: str, path: Path) -> CpuLibrary:
         stack_f32.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _P, _P, _P, _P]
         stack_f32.argtypes += [_P, _P, _I64, _P, _I64, _I64, _P, _I64, _P, _P, _INT]
         records_f32 = (lib.izh_q4_gemm_f32, lib.izh_q8_gemm_f32, stack_f32)
+        lora_f32 = lib.izh_lora_add_f32
+        lora_f32.restype = _INT
+        lora_f32.argtypes = [_P, _I64, _I64, _P, _I64, _P, _I64, _P, _P, _INT]
     except (OSError, AttributeError) as exc:
         raise KernelLoadError(f"cannot load {path}: {exc}") from exc
-    return CpuLibrary(name, path, kernels, sampling, qgemm, max_rows, records_f32, lib)
+    return CpuLibrary(name, path, kernels, sampling, qgemm, max_rows, records_f32, lora_f32, lib)
 
 
 @dataclass(slots=True)

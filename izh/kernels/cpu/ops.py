@@ -42,6 +42,8 @@ __all__ = [
     "add_rms_norm_",
     "argmax_rows",
     "decode_stack",
+    "lora_add_",
+    "paged_attention",
     "paged_decode_attention",
     "q4_matmul",
     "q8_matmul",
@@ -165,6 +167,7 @@ _ATTENTION_ERRORS = {
     -2: "a seq_len is negative or longer than its block table covers",
     -3: "a block table entry is outside the cache",
     -4: "out of memory for the attention scratch",
+    -5: "a row's sequence index is outside the block table",
 }
 
 
@@ -186,8 +189,49 @@ def paged_decode_attention(
     new contiguous [n, H, d]. Raises IndexError, before writing anything, when an index points outside
     the cache or the block table.
     """
+    return _paged_attention(query, key, value, kv_cache, slot_mapping, block_tables, None, seq_lens, scale)
+
+
+def paged_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    block_tables: Tensor,
+    row_seq: Tensor,
+    row_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    """Attention for any rows (prefill chunks, decodes, mixed): write every row's K/V into the cache, then
+    row i attends to positions 0 .. row_lens[i] - 1 of sequence row_seq[i] (block table
+    block_tables[row_seq[i]]; a prefill token's length is its position + 1).
+
+    The C kernel computes each row exactly as `paged_decode_attention` computes a decode at that length,
+    so a token's attention is bit-identical whatever the batch, the chunking, or decode against prefill.
+    row_seq / row_lens int32 [n]; the rest as `paged_decode_attention`. The reference is
+    `paged_decode_attention_ref` over block_tables[row_seq]."""
+    return _paged_attention(query, key, value, kv_cache, slot_mapping, block_tables, row_seq, row_lens, scale)
+
+
+def _paged_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    block_tables: Tensor,
+    row_seq: Tensor | None,
+    seq_lens: Tensor,
+    scale: float,
+) -> Tensor:
     dtype = query.dtype
     k = (STATE.active or resolve()).kernels.get(dtype)
+
+    def reference() -> Tensor:
+        tables = block_tables if row_seq is None else block_tables.index_select(0, row_seq.long())
+        return paged_decode_attention_ref(query, key, value, kv_cache, slot_mapping, tables, seq_lens, scale)
+
     if not (
         k is not None
         and key.dtype == dtype
@@ -200,6 +244,7 @@ def paged_decode_attention(
         and slot_mapping.is_cpu
         and block_tables.is_cpu
         and seq_lens.is_cpu
+        and (row_seq is None or row_seq.is_cpu)
         and query.dim() == 3
         and key.dim() == 3
         and value.dim() == 3
@@ -207,16 +252,12 @@ def paged_decode_attention(
         and block_tables.dim() == 2
         and kv_cache.is_contiguous()
     ):
-        return paged_decode_attention_ref(
-            query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, scale
-        )
+        return reference()
     n, num_heads, head_dim = query.shape
     _, num_blocks, block_size, num_kv_heads, cache_dim = kv_cache.shape
     q_stride, k_stride, v_stride = query.stride(), key.stride(), value.stride()
     if q_stride[2] != 1 or k_stride[2] != 1 or v_stride[2] != 1 or head_dim > _MAX_HEAD_DIM:
-        return paged_decode_attention_ref(
-            query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, scale
-        )
+        return reference()
     kv_shape = (n, num_kv_heads, head_dim)
     if (
         cache_dim != head_dim
@@ -225,7 +266,8 @@ def paged_decode_attention(
         or value.shape != kv_shape
         or slot_mapping.shape != (n,)
         or seq_lens.shape != (n,)
-        or block_tables.shape[0] != n
+        or (row_seq is None and block_tables.shape[0] != n)
+        or (row_seq is not None and row_seq.shape != (n,))
     ):
         shapes = {
             "query": query,
@@ -236,16 +278,20 @@ def paged_decode_attention(
             "block_tables": block_tables,
             "seq_lens": seq_lens,
         }
+        if row_seq is not None:
+            shapes["row_seq"] = row_seq
         listed = ", ".join(f"{name} {tuple(t.shape)}" for name, t in shapes.items())
-        raise ValueError(f"paged_decode_attention: shapes do not match: {listed}")
+        raise ValueError(f"paged attention: shapes do not match: {listed}")
     if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
         slot_mapping = slot_mapping.to(torch.int64).contiguous()
     if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
         block_tables = block_tables.to(torch.int32).contiguous()
     if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
         seq_lens = seq_lens.to(torch.int32).contiguous()
+    if row_seq is not None and (row_seq.dtype != torch.int32 or not row_seq.is_contiguous()):
+        row_seq = row_seq.to(torch.int32).contiguous()
     out = query.new_empty(n, num_heads, head_dim)
-    rc = k.paged_decode_attention(
+    common = (
         query.data_ptr(),
         q_stride[0],
         q_stride[1],
@@ -262,16 +308,14 @@ def paged_decode_attention(
         slot_mapping.data_ptr(),
         block_tables.data_ptr(),
         block_tables.shape[1],
-        seq_lens.data_ptr(),
-        out.data_ptr(),
-        n,
-        num_heads,
-        head_dim,
-        scale,
-        torch.get_num_threads(),
     )
+    tail = (seq_lens.data_ptr(), out.data_ptr(), n, num_heads, head_dim, scale, torch.get_num_threads())
+    if row_seq is None:
+        rc = k.paged_decode_attention(*common, *tail)
+    else:
+        rc = k.paged_attention(*common, row_seq.data_ptr(), block_tables.shape[0], *tail)
     if rc != 0:
-        raise IndexError(f"paged_decode_attention: {_ATTENTION_ERRORS.get(rc, f'error {rc}')}")
+        raise IndexError(f"paged attention: {_ATTENTION_ERRORS.get(rc, f'error {rc}')}")
     return out
 
 
@@ -424,11 +468,55 @@ def decode_stack(
         torch.get_num_threads(),
     )
     if rc != 0:
-        if rc in _ATTENTION_ERRORS and rc != -4:
+        if rc in _ATTENTION_ERRORS and rc not in (-4, -5):
             raise IndexError(f"decode_stack: {_ATTENTION_ERRORS[rc]}")
         reasons = {-4: "out of memory", -5: "too many rows", -6: "a matmul refused its shape"}
         raise RuntimeError(f"decode_stack failed: {reasons.get(rc, f'code {rc}')}")
     return out
+
+
+def lora_add_(
+    x: Tensor, out: Tensor, linear: Tensor, rank: int, row_slots: Tensor, slot_ranks: Tensor
+) -> bool:
+    """out [M, N] += each row's LoRA delta through the C kernel the fused decode stack calls after its
+    matmuls (csrc/lora.c), so that a prefill or mixed step adds exactly the stack's deltas: x [M, K] and
+    out float32, contiguous, on the CPU; linear int64 [STACK_LORA_LINEAR] (A, Bt, n, the n + 1 shard
+    bounds padded to 4; A and Bt float32 [slots, n * rank, K | N]); row_slots int32 [M] (-1: the base
+    model); slot_ranks int32 [slots]. Returns False, touching nothing, when the kernel does not apply."""
+    fn = (STATE.active or resolve()).lora_f32
+    if not (
+        fn is not None
+        and x.dtype == torch.float32
+        and out.dtype == torch.float32
+        and x.is_cpu
+        and out.is_cpu
+        and x.dim() == 2
+        and out.dim() == 2
+        and x.is_contiguous()
+        and out.is_contiguous()
+        and x.shape[0] == out.shape[0] == row_slots.shape[0]
+        and row_slots.dtype == torch.int32
+        and slot_ranks.dtype == torch.int32
+        and row_slots.is_contiguous()
+        and slot_ranks.is_contiguous()
+    ):
+        return False
+    m, k = x.shape
+    rc = fn(
+        x.data_ptr(),
+        m,
+        k,
+        out.data_ptr(),
+        out.shape[1],
+        linear.data_ptr(),
+        rank,
+        row_slots.data_ptr(),
+        slot_ranks.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError("lora_add_: out of memory")
+    return True
 
 
 # --- greedy and random rows -------------------------------------------------------------------------------

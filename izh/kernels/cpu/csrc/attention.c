@@ -1,4 +1,4 @@
-/* Paged decode attention, float32 and bfloat16.
+/* Paged attention (decode steps and prefill chunks), float32 and bfloat16.
  * See common.h for the conventions, izh/kernels/cpu/ops.py for the contract. */
 #include "common.h"
 
@@ -10,21 +10,27 @@
  * has one scratch buffer (floats): scores [group * seq_len], value accumulators [group * d padded to a
  * multiple of 32], 1/sum [group]. head_dim <= 32 * MAX_NC (the Python side checks). */
 
-/* Softmax over each head's scores in place, unnormalised (exp(s - max)); inv[hh] = 1 / sum. */
-INLINE FAST_FP void softmax_rows(float *restrict sc, float *restrict inv, int64_t group, int64_t L) {
+/* Softmax over each head's scores in place, unnormalised (exp(s - max)); inv[hh] = 1 / sum.
+ * A function of the L scores alone, whatever the buffer's alignment or the caller: the maximum is exact in
+ * any order; exp_f32 is elementwise, built without fp contraction (this function is not FAST_FP, so its
+ * vectorised and scalar iterations round alike); the sum runs in 16 lanes (position p in lane p % 16, in
+ * order of p) and the lanes are then added in one fixed order. A query's attention is thus the same
+ * whether it runs as a decode or inside a prefill chunk (izh_paged_attention_*). */
+static __attribute__((noinline)) void softmax_rows(float *restrict sc, float *restrict inv, int64_t group,
+                                                   int64_t L) {
     for (int64_t hh = 0; hh < group; hh++) {
         float *restrict sh = sc + hh * L;
         float m = -INFINITY;
-#pragma omp simd reduction(max : m)
         for (int64_t p = 0; p < L; p++) m = sh[p] > m ? sh[p] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < L; p++) {
-            float e = exp_f32(sh[p] - m);
-            sh[p] = e;
-            sum += e;
-        }
-        inv[hh] = 1.0f / sum;
+        for (int64_t p = 0; p < L; p++) sh[p] = exp_f32(sh[p] - m);
+        float lanes[16] = {0};
+        int64_t p = 0;
+        for (; p + 16 <= L; p += 16)
+            for (int k = 0; k < 16; k++) lanes[k] += sh[p + k];
+        for (int k = 0; p + k < L; k++) lanes[k] += sh[p + k];
+        for (int w = 8; w >= 1; w /= 2)
+            for (int k = 0; k < w; k++) lanes[k] += lanes[k + w];
+        inv[hh] = 1.0f / lanes[0];
     }
 }
 
@@ -142,13 +148,12 @@ INLINE void prefetch_rows_l2(const void *cache, const int32_t *blocks, int64_t p
 
 INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q_ts, int64_t q_hs,
                                   const void *kc, const void *vc, int64_t block_size, int64_t kvh,
-                                  const int32_t *bt, int64_t max_blocks, int64_t L, void *out, int64_t H,
-                                  const int64_t D, float scale, float *buf, const int bf) {
+                                  const int32_t *blocks, int64_t L, void *out, int64_t H, const int64_t D,
+                                  float scale, float *buf, const int bf) {
     const int64_t group = H / kvh, NC = (D + 31) / 32, DP = NC * 32; /* DP: D padded */
     float *restrict sc = buf;
     float *restrict acc = sc + group * L;
     float *restrict inv = acc + group * DP;
-    const int32_t *blocks = bt + i * max_blocks;
     const void *rows[2][16];
 
     if (L <= 0) {
@@ -296,14 +301,13 @@ INLINE __m256 attn_hsum8(const __m256 *a) {
 
 static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int64_t g, const float *q, int64_t q_ts,
                                                                  int64_t q_hs, const float *kc, const float *vc,
-                                                                 int64_t block_size, int64_t kvh, const int32_t *bt,
-                                                                 int64_t max_blocks, int64_t L, float *out,
+                                                                 int64_t block_size, int64_t kvh,
+                                                                 const int32_t *blocks, int64_t L, float *out,
                                                                  int64_t H, const int64_t D, float scale,
                                                                  float *buf) {
     const int64_t group = H / kvh, NC = D / 8;
     float *restrict sc = buf;
     float *restrict inv = sc + group * L;
-    const int32_t *blocks = bt + i * max_blocks;
     if (L <= 0) {
         for (int64_t hh = 0; hh < group; hh++)
             for (int64_t j = 0; j < D; j++) out[(i * H + g * group + hh) * D + j] = 0.0f;
@@ -358,7 +362,7 @@ static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int6
 }
 #define ATTN_AVX2_ITEM(D)                                                                                    \
     attn_item_f32_avx2(i, g, (const float *)q, q_ts, q_hs, (const float *)kc, (const float *)vc, block_size, kvh, \
-                       bt, max_blocks, L, (float *)out, H, D, scale, buf);
+                       blocks, L, (float *)out, H, D, scale, buf);
 #else
 #define ATTN_AVX2 0
 #define ATTN_AVX2_ITEM(D) (void)0;
@@ -369,20 +373,18 @@ static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int6
 #define DEFINE_ATTN_ITEM(SFX, BF)                                                                             \
     static FAST_FP __attribute__((noinline)) void attn_item_##SFX(                                           \
         int64_t it, const void *q, int64_t q_ts, int64_t q_hs, const void *kc, const void *vc,              \
-        int64_t block_size, int64_t kvh, const int32_t *bt, int64_t max_blocks, const int32_t *seq_lens,    \
-        void *out, int64_t H, int64_t d, float scale, float *buf) {                                          \
+        int64_t block_size, int64_t kvh, const int32_t *bt, int64_t max_blocks, const int32_t *row_seq,     \
+        const int32_t *seq_lens, void *out, int64_t H, int64_t d, float scale, float *buf) {                \
         const int64_t i = it / kvh, g = it % kvh, L = seq_lens[i];                                           \
+        const int32_t *blocks = bt + (row_seq ? row_seq[i] : i) * max_blocks;                               \
         if (ATTN_AVX2 && !(BF) && d % 8 == 0)                                                                \
             ATTN_AVX2_ITEM(d == 64 ? 64 : d == 128 ? 128 : d)                                                \
         else if (d == 64)                                                                                    \
-            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, bt, max_blocks, L, out, H, 64, scale, \
-                          buf, BF);                                                                          \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, L, out, H, 64, scale, buf, BF); \
         else if (d == 128)                                                                                   \
-            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, bt, max_blocks, L, out, H, 128,      \
-                          scale, buf, BF);                                                                   \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, L, out, H, 128, scale, buf, BF); \
         else                                                                                                 \
-            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, bt, max_blocks, L, out, H, d, scale,  \
-                          buf, BF);                                                                          \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, L, out, H, d, scale, buf, BF);  \
     }
 
 DEFINE_ATTN_ITEM(f32, 0)
@@ -395,8 +397,8 @@ DEFINE_ATTN_ITEM(bf16, 1)
 INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v, int64_t v_ts, int64_t v_hs,
                         void *kc, void *vc, int64_t num_blocks, int64_t block_size, int64_t kvh,
                         const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks,
-                        const int32_t *seq_lens, int64_t n, int64_t d, int64_t *max_len, int64_t *work,
-                        const int bf) {
+                        const int32_t *row_seq, int64_t num_seqs, const int32_t *seq_lens, int64_t n, int64_t d,
+                        int64_t *max_len, int64_t *work, const int bf) {
     const int64_t num_slots = num_blocks * block_size;
     *max_len = 0;
     *work = 0;
@@ -405,7 +407,9 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
         const int64_t L = seq_lens[i];
         if (slot >= num_slots) return -1;
         if (L < 0 || L > max_blocks * block_size) return -2;
-        const int32_t *blocks = block_tables + i * max_blocks;
+        const int64_t seq = row_seq ? row_seq[i] : i;
+        if (seq < 0 || seq >= num_seqs) return -5;
+        const int32_t *blocks = block_tables + seq * max_blocks;
         for (int64_t b = 0; b * block_size < L; b++)
             if (blocks[b] < 0 || blocks[b] >= num_blocks) return -3;
         *max_len = L > *max_len ? L : *max_len;
@@ -423,18 +427,25 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
     return 0;
 }
 
-/* kv_cache: [2, num_blocks, block_size, kvh, d]; returns attn_prepare's code, or -4 when out of memory. */
+/* Every row i attends to positions 0 .. seq_lens[i] - 1 of sequence row_seq[i] (NULL: sequence i), whose
+ * block table is block_tables[row_seq[i]]: a decode step has one row per sequence, a prefill chunk one row
+ * per token (its position + 1 as the length). Each row is one work item per KV head, computed the same way
+ * whatever the other rows are, so a token's attention does not depend on the batch, on how its prompt was
+ * chunked, or on whether it ran as a decode or in a prefill (the row kernels share one code path).
+ * kv_cache: [2, num_blocks, block_size, kvh, d]; returns attn_prepare's code (-5: a row_seq entry outside
+ * [0, num_seqs)), or -4 when out of memory. */
 #define DEFINE_ATTENTION(SFX, BF)                                                                            \
-    FAST_FP int izh_paged_decode_attention_##SFX(                                                            \
+    FAST_FP int izh_paged_attention_##SFX(                                                                   \
         const void *q, int64_t q_ts, int64_t q_hs, const void *k, int64_t k_ts, int64_t k_hs, const void *v,   \
         int64_t v_ts, int64_t v_hs, void *kv_cache, int64_t num_blocks, int64_t block_size, int64_t kvh,     \
-        const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, \
-        void *out, int64_t n, int64_t H, int64_t d, float scale, int nt) {                                   \
+        const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks, const int32_t *row_seq,  \
+        int64_t num_seqs, const int32_t *seq_lens, void *out, int64_t n, int64_t H, int64_t d, float scale,  \
+        int nt) {                                                                                            \
         void *kc = kv_cache;                                                                                 \
         void *vc = off(kv_cache, num_blocks * block_size * kvh * d, BF);                                     \
         int64_t max_len, work;                                                                               \
         int rc = attn_prepare(k, k_ts, k_hs, v, v_ts, v_hs, kc, vc, num_blocks, block_size, kvh, slot_mapping, \
-                              block_tables, max_blocks, seq_lens, n, d, &max_len, &work, BF);                \
+                              block_tables, max_blocks, row_seq, num_seqs, seq_lens, n, d, &max_len, &work, BF); \
         if (rc != 0) return rc;                                                                              \
         const int64_t group = H / kvh;                                                                       \
         const size_t scratch = (size_t)(group * (max_len + d + 32) + group) * sizeof(float);                \
@@ -444,7 +455,7 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
             float *buf = (float *)malloc(scratch);                                                           \
             if (!buf) return -4;                                                                             \
             for (int64_t it = 0; it < items; it++)                                                           \
-                attn_item_##SFX(it, q, q_ts, q_hs, kc, vc, block_size, kvh, block_tables, max_blocks,        \
+                attn_item_##SFX(it, q, q_ts, q_hs, kc, vc, block_size, kvh, block_tables, max_blocks, row_seq, \
                                 seq_lens, out, H, d, scale, buf);                                            \
             free(buf);                                                                                       \
         } else {                                                                                             \
@@ -453,11 +464,21 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
                 failed |= buf == NULL;                                                                       \
                 _Pragma("omp for schedule(dynamic, kvh)") for (int64_t it = 0; it < items; it++) if (buf)      \
                     attn_item_##SFX(it, q, q_ts, q_hs, kc, vc, block_size, kvh, block_tables, max_blocks,    \
-                                    seq_lens, out, H, d, scale, buf);                                        \
+                                    row_seq, seq_lens, out, H, d, scale, buf);                               \
                 free(buf);                                                                                   \
             }                                                                                                \
         }                                                                                                    \
         return failed ? -4 : 0;                                                                              \
+    }                                                                                                        \
+    /* One row per sequence (a decode step): izh_paged_attention with row_seq NULL. */                      \
+    int izh_paged_decode_attention_##SFX(                                                                    \
+        const void *q, int64_t q_ts, int64_t q_hs, const void *k, int64_t k_ts, int64_t k_hs, const void *v,   \
+        int64_t v_ts, int64_t v_hs, void *kv_cache, int64_t num_blocks, int64_t block_size, int64_t kvh,     \
+        const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, \
+        void *out, int64_t n, int64_t H, int64_t d, float scale, int nt) {                                   \
+        return izh_paged_attention_##SFX(q, q_ts, q_hs, k, k_ts, k_hs, v, v_ts, v_hs, kv_cache, num_blocks,   \
+                                         block_size, kvh, slot_mapping, block_tables, max_blocks, NULL, n,     \
+                                         seq_lens, out, n, H, d, scale, nt);                                  \
     }
 
 DEFINE_ATTENTION(f32, 0)

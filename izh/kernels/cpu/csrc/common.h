@@ -134,7 +134,12 @@ INLINE float exp_f32(float x) {
         const void *q, int64_t q_ts, int64_t q_hs, const void *k, int64_t k_ts, int64_t k_hs, const void *v,     \
         int64_t v_ts, int64_t v_hs, void *kv_cache, int64_t num_blocks, int64_t block_size, int64_t kvh,       \
         const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, \
-        void *out, int64_t n, int64_t H, int64_t d, float scale, int nt);
+        void *out, int64_t n, int64_t H, int64_t d, float scale, int nt);                                                                                  \
+    int izh_paged_attention_##SFX(                                                                             \
+        const void *q, int64_t q_ts, int64_t q_hs, const void *k, int64_t k_ts, int64_t k_hs, const void *v,     \
+        int64_t v_ts, int64_t v_hs, void *kv_cache, int64_t num_blocks, int64_t block_size, int64_t kvh,       \
+        const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks, const int32_t *row_seq,    \
+        int64_t num_seqs, const int32_t *seq_lens, void *out, int64_t n, int64_t H, int64_t d, float scale, int nt);
 IZH_DECLARE_ROW_KERNELS(f32)
 IZH_DECLARE_ROW_KERNELS(bf16)
 

@@ -337,9 +337,89 @@ static __attribute__((noinline)) void x8_q8_tile_rows_avx2(const uint8_t *rec, i
 DEFINE_X8_TILE(1)
 DEFINE_X8_TILE(2)
 
-/* One or two rows keep everything in registers; from three on, the rows kernels. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define X8_VNNI 1
+/* AVX-512 VNNI (the avx512 and amx variants): int4 records for any number of rows. A record's 8 blocks of
+ * 4 inputs become 8 registers of 16 rows x 4 unsigned codes (the low nibbles of the row's two bytes, then
+ * the high ones: inputs 4b .. 4b+3 in order), built once per record and shared by every row of the chunk;
+ * each row then takes 8 vpdpbusd against its 4-code words broadcast (exact int32 sums, the same as the
+ * AVX2 and portable code's), and the epilogue is x8_epilogue's operations on 16 lanes. */
+INLINE __m512i x8_bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* *acc += isum * (s * d) + min * e, x8_epilogue's operations in its order on 16 lanes. */
+INLINE void x8_epilogue_16(__m512 *acc, __m512i isum, __m512 s, __m512 mn, float d, float e) {
+    const __m512 a = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(s, _mm512_set1_ps(d))));
+    *acc = _mm512_add_ps(a, _mm512_mul_ps(mn, _mm512_set1_ps(e)));
+}
+
+static __attribute__((noinline)) void x8_q4_tile_rows_vnni(const uint8_t *rec, int64_t groups, const int8_t *xq,
+                                                           int64_t K, const float *xd, const float *xe,
+                                                           int64_t rows, float *out, int64_t os) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    __m512 acc[X8_MC] __attribute__((aligned(64)));
+    for (int64_t m = 0; m < rows; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++, rec += X8_Q4_RECORD) {
+        for (int c = 0; c < X8_Q4_RECORD; c += 64) _mm_prefetch((const char *)rec + X8_PREFETCH * X8_Q4_RECORD + c, _MM_HINT_T0);
+        __m512i w[8];
+        for (int b = 0; b < 8; b++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 32 * b));
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_and_si256(raw, nib));
+            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib));
+            w[b] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+        }
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 256))), 16));
+        const __m512 mn = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 288))), 16));
+        const int8_t *xg = xq + 32 * g;
+        int64_t m = 0;
+        /* 4 rows at a time, two chains each (even and odd blocks): vpdpbusd's latency is hidden */
+        for (; m + 4 <= rows; m += 4) {
+            __m512i e[4], o[4];
+            for (int r = 0; r < 4; r++) {
+                const int8_t *xr = xg + (m + r) * K;
+                e[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x8_bcast4(xr));
+                o[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], x8_bcast4(xr + 4));
+            }
+            for (int b = 2; b < 8; b += 2)
+                for (int r = 0; r < 4; r++) {
+                    const int8_t *xr = xg + (m + r) * K + 4 * b;
+                    e[r] = _mm512_dpbusd_epi32(e[r], w[b], x8_bcast4(xr));
+                    o[r] = _mm512_dpbusd_epi32(o[r], w[b + 1], x8_bcast4(xr + 4));
+                }
+            for (int r = 0; r < 4; r++)
+                x8_epilogue_16(&acc[m + r], _mm512_add_epi32(e[r], o[r]), s, mn, xd[(m + r) * groups + g],
+                               xe[(m + r) * groups + g]);
+        }
+        for (; m < rows; m++) {
+            const int8_t *xr = xg + m * K;
+            __m512i e = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x8_bcast4(xr));
+            __m512i o = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], x8_bcast4(xr + 4));
+            for (int b = 2; b < 8; b += 2) {
+                e = _mm512_dpbusd_epi32(e, w[b], x8_bcast4(xr + 4 * b));
+                o = _mm512_dpbusd_epi32(o, w[b + 1], x8_bcast4(xr + 4 * b + 4));
+            }
+            x8_epilogue_16(&acc[m], _mm512_add_epi32(e, o), s, mn, xd[m * groups + g], xe[m * groups + g]);
+        }
+    }
+    for (int64_t m = 0; m < rows; m++) _mm512_storeu_ps(out + m * os, acc[m]);
+}
+#else
+#define X8_VNNI 0
+#endif
+
+/* One or two rows keep everything in registers; from three on, the rows kernels (int4 records: the VNNI
+ * kernel where the CPU has it). */
 static void x8_tile(const int q8, const uint8_t *tile, int64_t groups, const int8_t *xq, const uint32_t *xp,
                     int64_t K, int64_t xgs, const float *xd, const float *xe, int64_t rows, float *out, int64_t os) {
+#if X8_VNNI
+    if (!q8 && (rows > 2 || !xp)) { /* xp NULL: x8_gemm made no pairs (M > 2) */
+        x8_q4_tile_rows_vnni(tile, groups, xq, K, xd, xe, rows, out, os);
+        return;
+    }
+#endif
     (void)xq;
     (void)K;
     if (rows == 1)
@@ -390,7 +470,7 @@ static void x8_tiles(const int q8, const uint8_t *w, int64_t M, int64_t K, int64
         for (int64_t t = t0; t < t1; t++) {
             const uint8_t *tile = w + t * groups * record;
             const int8_t *q = xq + m0 * K;
-            const uint32_t *p = xp + 16 * m0;
+            const uint32_t *p = xp ? xp + 16 * m0 : NULL;
             const float *d = xd + m0 * groups, *e = xe + m0 * groups;
             float *o = out + m0 * os + 16 * t;
             x8_tile(q8, tile, groups, q, p, K, 16 * M, d, e, mc, o, os);
@@ -431,7 +511,10 @@ static int x8_gemm(const int q8, const float *x, int64_t xs, const uint8_t *w, i
     /* Quantizing x is ~1% of the work: done here, it saves the team a barrier (costly on a busy machine). */
     x8_quantize_rows(x, xs, 0, M, K, xq, xd, xe);
 #if defined(__AVX2__)
-    x8_pairs(q8, xq, M, K, xp);
+    if (q8 || !X8_VNNI || M <= 2)
+        x8_pairs(q8, xq, M, K, xp);
+    else
+        xp = NULL; /* the VNNI int4 kernel reads xq itself */
 #endif
     if (nt <= 1 || tiles < 2) {
         x8_tiles(q8, w, M, K, 0, tiles, xq, xp, xd, xe, out, os);
