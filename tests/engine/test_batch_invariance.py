@@ -54,13 +54,16 @@ class LogitsRecorder:
                 rows[key] = row.clone()
 
         def record_sample(scheduled: Any, sample_rows: Any, logits: torch.Tensor, *rest: Any) -> None:
-            for k, (i, _) in enumerate(sample_rows):
+            offset = 0
+            for i, _, num_rows in sample_rows:  # (batch index, first row, rows): 1 row without drafts
+                assert num_rows == 1, "these engines run no speculative drafts"
                 s = scheduled[i]
                 keep(
                     s.request.request_id,
                     ("sampled", s.num_computed_tokens_before + s.num_scheduled_tokens),
-                    logits[k],
+                    logits[offset],
                 )
+                offset += num_rows
             sample(scheduled, sample_rows, logits, *rest)
 
         def record_prompt(scheduled: Any, prompt_rows: Any, logits: torch.Tensor, out: Any) -> None:
