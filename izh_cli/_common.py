@@ -85,7 +85,8 @@ def fail(message: str, hint: str | None = None, code: int = EXIT_FAILURE) -> NoR
     raise typer.Exit(code)
 
 
-def _hint_for(exc: IzhError) -> str | None:
+def hint_for(exc: IzhError) -> str | None:
+    """The hint printed under an IzhError: what to do about it, fitting its kind (None: none)."""
     if isinstance(exc, ModelNotFound):
         return "`izh pull smollm2` fetches the default model; or pass a .gguf file or a Hugging Face folder."
     if isinstance(exc, UnsupportedModel):
@@ -107,7 +108,7 @@ def cli_errors() -> Iterator[None]:
     except SettingsError as exc:
         fail(str(exc), _SETTINGS_HINT, EXIT_USAGE)
     except IzhError as exc:
-        fail(exc.message, _hint_for(exc))
+        fail(exc.message, hint_for(exc))
     except OSError as exc:
         fail(str(exc), "check the path, its permissions and the free disk space.")
 

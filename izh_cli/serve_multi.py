@@ -43,7 +43,7 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
 from izh.errors import describe_exit
-from izh_cli._common import EXIT_USAGE, fail, stderr_console
+from izh_cli._common import EXIT_USAGE, fail, hint_for, stderr_console
 
 if TYPE_CHECKING:
     from izh.config import EngineConfig
@@ -121,7 +121,8 @@ class ApiProcessSpec:
     cores: list[AttachedCore]
     sock: socket.socket
     status: multiprocessing.connection.Connection
-    """The API process sends ("ready",) once it serves, or ("error", message) when it cannot start."""
+    """The API process sends ("ready",) once it serves, or ("error", message, hint) when it cannot start
+    (the hint the single server would print for that error, or None)."""
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -281,6 +282,8 @@ class Supervisor:
             self.num_ready += 1
         elif message[0] == "error" and not self.stopping:
             self.console.print(f"[bold red]Error:[/] {message[1]}", highlight=False)
+            if len(message) > 2 and message[2]:
+                self.console.print(f"[dim]Hint: {message[2]}[/]", highlight=False)
             self._begin_stop(EXIT_FAILURE)
 
     def _on_api_exit(self, a: int) -> None:
@@ -450,7 +453,7 @@ async def _serve_api(spec: ApiProcessSpec) -> int:
             heartbeat_timeout_s=s.engine_heartbeat_timeout_s,
         )
     except IzhError as exc:
-        spec.status.send(("error", exc.message))
+        spec.status.send(("error", exc.message, hint_for(exc)))
         return EXIT_FAILURE
     server: Any = None
     try:
@@ -461,7 +464,7 @@ async def _serve_api(spec: ApiProcessSpec) -> int:
     except Exception as exc:
         logger.exception("API process %d failed", spec.index)
         with contextlib.suppress(OSError):
-            spec.status.send(("error", f"API process {spec.index} failed: {exc}"))
+            spec.status.send(("error", f"API process {spec.index} failed: {exc}", None))
         return EXIT_FAILURE
     finally:
         forced = server is not None and server.force_exit

@@ -249,11 +249,11 @@ def test_decorator_requires_the_overrides_parameter() -> None:
 
 def test_load_error_hints_fit_the_error() -> None:
     from izh.errors import ModelDownloadError, ModelLoadError, UnsupportedModel, model_load_error
-    from izh_cli._common import _hint_for
+    from izh_cli._common import hint_for
 
-    support = _hint_for(UnsupportedModel("unsupported model architecture 'phi2' (supported: ...)"))
-    download = _hint_for(ModelDownloadError("could not download x from PyPI"))
-    parse = _hint_for(ModelLoadError("x.gguf is not a GGUF file"))
+    support = hint_for(UnsupportedModel("unsupported model architecture 'phi2' (supported: ...)"))
+    download = hint_for(ModelDownloadError("could not download x from PyPI"))
+    parse = hint_for(ModelLoadError("x.gguf is not a GGUF file"))
     assert support is not None and "does not serve" in support and "network" not in support
     assert download is not None and "network" in download
     assert parse is not None and "network" not in parse and "download it again" in parse

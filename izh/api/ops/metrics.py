@@ -30,26 +30,12 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from izh.api.ops import buckets
 from izh.engine_messages import SchedulerStats
 from izh.frontend.stats import RequestMetrics
 
 logger = logging.getLogger(__name__)
 
-TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
-TOKEN_LATENCY_BUCKETS = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
-REQUEST_LATENCY_BUCKETS = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
-# vLLM uses the CUDA graph capture sizes; these are its buckets when graphs are off.
-ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 LABELS = ("model_name", "engine")
 
@@ -122,48 +108,50 @@ class PrometheusStatLogger:
 
     def _make_latency_metrics(self) -> None:
         self.ttft = self._histogram(
-            "izh:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+            "izh:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            buckets.TTFT_BUCKETS,
         )
         self.itl = self._histogram(
             "izh:inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds.",
-            TOKEN_LATENCY_BUCKETS,
+            buckets.TOKEN_LATENCY_BUCKETS,
         )
         # Deprecated alias of inter_token_latency_seconds, kept because dashboards still plot it.
         self.tpot_alias = self._histogram(
             "izh:time_per_output_token_seconds",
             "Histogram of time per output token in seconds (deprecated: use inter_token_latency_seconds).",
-            TOKEN_LATENCY_BUCKETS,
+            buckets.TOKEN_LATENCY_BUCKETS,
         )
         self.request_tpot = self._histogram(
             "izh:request_time_per_output_token_seconds",
             "Histogram of time_per_output_token_seconds per request.",
-            TOKEN_LATENCY_BUCKETS,
+            buckets.TOKEN_LATENCY_BUCKETS,
         )
         self.e2e = self._histogram(
             "izh:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
-            REQUEST_LATENCY_BUCKETS,
+            buckets.REQUEST_LATENCY_BUCKETS,
         )
         self.queue_time = self._histogram(
             "izh:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase.",
-            REQUEST_LATENCY_BUCKETS,
+            buckets.REQUEST_LATENCY_BUCKETS,
         )
         self.prefill_time = self._histogram(
             "izh:request_prefill_time_seconds",
             "Histogram of time spent in PREFILL phase.",
-            REQUEST_LATENCY_BUCKETS,
+            buckets.REQUEST_LATENCY_BUCKETS,
         )
         self.decode_time = self._histogram(
             "izh:request_decode_time_seconds",
             "Histogram of time spent in DECODE phase.",
-            REQUEST_LATENCY_BUCKETS,
+            buckets.REQUEST_LATENCY_BUCKETS,
         )
         self.inference_time = self._histogram(
             "izh:request_inference_time_seconds",
             "Histogram of time spent in RUNNING phase for request.",
-            REQUEST_LATENCY_BUCKETS,
+            buckets.REQUEST_LATENCY_BUCKETS,
         )
 
     def _make_request_metrics(self, max_model_len: int) -> None:
@@ -187,7 +175,7 @@ class PrometheusStatLogger:
             "izh:request_generation_tokens", "Number of generation tokens processed.", size_buckets
         )
         self.request_params_n = self._histogram(
-            "izh:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
+            "izh:request_params_n", "Histogram of the n request parameter.", buckets.N_BUCKETS
         )
         # izh's own (vLLM has none): admitted requests by route.
         self.api_requests = Counter(
@@ -252,7 +240,7 @@ class PrometheusStatLogger:
             "izh:iteration_tokens_total",
             "Histogram of number of tokens per engine_step.",
             LABELS,
-            buckets=ITERATION_TOKEN_BUCKETS,
+            buckets=buckets.ITERATION_TOKEN_BUCKETS,
             registry=self.registry,
         )
         # izh's own: data-parallel routing (izh.frontend.dp_router), by core and kind.
