@@ -6,13 +6,8 @@ import re
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from izh.api.ops.metrics import (
-    REQUEST_LATENCY_BUCKETS,
-    TOKEN_LATENCY_BUCKETS,
-    TTFT_BUCKETS,
-    PrometheusStatLogger,
-    build_1_2_5_buckets,
-)
+from izh.api.ops.buckets import REQUEST_LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS
+from izh.api.ops.metrics import PrometheusStatLogger, build_1_2_5_buckets
 from izh.engine_messages import SchedulerStats
 from izh.frontend.stats import RequestMetrics, StatLogger
 
