@@ -17,7 +17,7 @@ from izh.frontend.input_processor import ModelFacts, process_request
 from izh.frontend.output_processor import OutputProcessor, PositionLogprobs, RequestState
 from izh.pooling_params import PoolingParams, embedding_floats
 from izh.sampling_params import SamplingParams
-from izh.tokenizer import Tokenizer, load_tokenizer
+from izh.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class LLM:
         self.config = EngineConfig(model=self.model_path, **engine_kwargs)
         self.progress = progress
         self.engine_core = EngineCore(self.config, progress=_in_phase(progress, LOADING_WEIGHTS))
-        self.tokenizer = load_tokenizer(self.model_path)
+        self.tokenizer = self.engine_core.tokenizer  # one tokenizer in the process, the core's
         self._processor = OutputProcessor(self.tokenizer)
         self._states: dict[str, RequestState] = {}
         self._counter = itertools.count()

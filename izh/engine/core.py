@@ -12,6 +12,7 @@ import torch
 
 from izh.config import CUDA_BATCHED_TOKENS, EngineConfig, default_batched_tokens
 from izh.engine.guided import GrammarManager
+from izh.engine.heap import release_free_heap
 from izh.engine.kv_cache import KVCacheManager
 from izh.engine.lora_manager import LoraManager
 from izh.engine.model_runner import ModelRunner
@@ -101,6 +102,8 @@ class EngineCore:
         self.last_forward_s = 0.0
         self.last_step_is_decode = False
         """Whether the last step was decodes only (one token per request): for benchmarks."""
+        # The load freed much more than it keeps (metadata, tokenizer documents, repack buffers).
+        release_free_heap()
 
     # --- requests -------------------------------------------------------------------------------
 

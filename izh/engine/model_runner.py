@@ -32,6 +32,7 @@ from izh.kernels import cpu as cpu_ops
 from izh.model.attention import AttentionMetadata, get_attention_backend
 from izh.model.config import ModelConfig
 from izh.model.idefics3 import Idefics3ForConditionalGeneration
+from izh.model.layers import limit_rope_positions
 from izh.model.llama import LlamaForCausalLM
 from izh.model.loader import checkpoint_quant_types, load_model, load_model_config
 from izh.model.packed import RECORDS_ANY_ROWS
@@ -186,6 +187,7 @@ class ModelRunner:
             # Build (or load the cached) fused CPU kernels now, not inside the first request.
             logger.info("fused CPU kernels: %s", "on" if cpu_ops.available() else "off (torch fallbacks)")
         self.max_model_len = self._resolve_max_model_len(config, self.model_config, self.pooling)
+        limit_rope_positions(self.model, self.max_model_len)
         self.block_size = config.block_size
         self.vocab_size = self.model_config.vocab_size
         self.num_blocks = self._resolve_num_blocks()

@@ -263,3 +263,13 @@ def apply_rotary_(x: Tensor, cos_sin: Tensor) -> None:
     """Rotate x [num_tokens, num_heads, head_dim] in place by the per-token cos|sin rows [num_tokens,
     head_dim], rotate-half layout (x may be a strided view, e.g. the q and k heads of a packed qkv)."""
     cpu_ops.rotary_(x, cos_sin)
+
+
+def limit_rope_positions(model: nn.Module, max_model_len: int) -> None:
+    """Keep only the first `max_model_len` rows of every RotaryEmbedding's cos|sin cache: no position
+    past the served context is ever looked up, and a 32k-position cache of a 128-wide head is 16 MB of
+    float32 that a 4k-context server would carry for nothing."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding) and module.max_position > max_model_len:
+            module.max_position = max_model_len
+            module.cos_sin_cache = module.cos_sin_cache[:max_model_len].clone()
