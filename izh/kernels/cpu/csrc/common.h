@@ -161,7 +161,9 @@ int izh_lora_add_f32(const float *x, int64_t M, int64_t K, float *out, int64_t N
 int izh_lora_add_bf16(const uint16_t *x, int64_t M, int64_t K, uint16_t *out, int64_t N, const int64_t *lin,
                       int64_t R, const int32_t *row_slots, const int32_t *slot_ranks, int nt);
 
-/* qgemm_avx512.c (stubs returning -2, or 0 rows, without HAVE_QGEMM) */
+/* qgemm_avx512.c (stubs returning -2, or 0 rows, without HAVE_QGEMM). izh_amx_permitted: 1 once Linux has
+ * granted this process the AMX tile data (arch_prctl, asked on the first call), 0 without AMX in the build. */
+int izh_amx_permitted(void);
 int izh_qgemm_available(void);
 int izh_qgemm_max_rows(void);
 int izh_qgemm_uses_amx(int q8, int64_t M);
