@@ -4,9 +4,11 @@ call for a float32 decode step of any size (its record matmuls take any number o
 
 A single-stream decode step of a small model on a CPU spends as long in Python between the kernels
 (module calls, views, ctypes, ~80 us a layer) as in the layer's matmuls. When every linear of a Llama-style
-model holds izh's packed records, the C side can run the same kernels in the same order itself: its output
-is bit-identical to the module path's, which stays the definition (and runs everything else: prefills,
-mixed steps, larger decode steps, per-head q/k norms, other backends).
+model holds izh's packed records (or, in float32, a GGUF file's own blocks: `cpu_ops.STACK_GGUF` linears,
+each of its parts through `izh_gguf_matmul_f32` as `GGUFBlocks.matmul` calls it), the C side can run the
+same kernels in the same order itself: its output is bit-identical to the module path's, which stays the
+definition (and runs everything else: prefills, mixed steps, larger decode steps, per-head q/k norms,
+other backends).
 
 Decode steps with LoRA adapter tokens stay on the stack: it is given the adapters' stacked A and Bt buffers
 (izh.model.lora, one pointer pair per layer and linear, built once per `LoraModel`) and each token's slot,
@@ -24,11 +26,12 @@ import torch
 from torch import Tensor
 
 from izh.kernels import cpu as cpu_ops
+from izh.kernels.cpu.gguf_blocks import GGUF_BLOCK_TYPES
 from izh.model.attention import AttentionMetadata, PagedTorchAttentionBackend
 from izh.model.config import ModelConfig
 from izh.model.layers import Linear
 from izh.model.lora import LoraModel
-from izh.model.packed import RECORDS_ANY_ROWS, Q4Records, Q8Records
+from izh.model.packed import RECORDS_ANY_ROWS, GGUFBlocks, Q4Records, Q8Records
 
 MAX_CHUNKS = 4
 """Decode steps of up to 4 x `qgemm_max_rows()` tokens (256 with AMX) take the stack; larger ones run the
@@ -67,6 +70,8 @@ class FusedDecodeStack:
         self.scale = config.head_dim**-0.5
         self.final_norm = final_norm
         self.kv_geometry = (int(kv_cache.shape[1]), int(kv_cache.shape[2]))
+        self._parts: list[Tensor] = []
+        """The GGUF linears' part tables the table points at (kept alive with it)."""
         self._lora: tuple[LoraModel, Tensor | None] | None = None
         """The LoRA table of the last `LoraModel` seen (None in its place: the stack cannot take it)."""
 
@@ -76,7 +81,7 @@ class FusedDecodeStack:
     ) -> FusedDecodeStack | None:
         """The stack for a model's `layers` (in order) and final norm weight, or None when it cannot run
         fused: not a float32 or bfloat16 CPU model, no C kernels for its dtype here, per-head q/k norms, a
-        linear without izh's records, or no bound KV cache."""
+        linear without izh's records (or, in float32, GGUF blocks), or no bound KV cache."""
         if dtype == torch.float32:
             kernels = cpu_ops.records_f32_available()
         else:
@@ -84,6 +89,7 @@ class FusedDecodeStack:
         if not kernels or config.qk_norm:
             return None
         rows: list[list[int]] = []
+        keep: list[Tensor] = []
         for layer in layers:
             kv_cache = layer.kv_cache
             if kv_cache is None or not kv_cache.is_cpu or not kv_cache.is_contiguous():
@@ -94,7 +100,7 @@ class FusedDecodeStack:
                 kv_cache.data_ptr(),
             ]
             for linear in layer.linears:
-                fields = _linear_fields(linear, dtype)
+                fields = _linear_fields(linear, dtype, keep)
                 if fields is None:
                     return None
                 row.extend(fields)
@@ -104,7 +110,9 @@ class FusedDecodeStack:
             return None
         table = torch.tensor(rows, dtype=torch.int64)
         assert table.shape[1] == cpu_ops.STACK_FIELDS
-        return cls(config, table, final_norm, first_cache)
+        stack = cls(config, table, final_norm, first_cache)
+        stack._parts = keep
+        return stack
 
     def applies(self, input_ids: Tensor, attn_metadata: AttentionMetadata, backend: object) -> bool:
         """This step is single-token decodes only, at most `max_tokens`, through the paged CPU backend."""
@@ -182,15 +190,26 @@ class FusedDecodeStack:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _linear_fields(linear: Linear, dtype: torch.dtype) -> list[int] | None:
-    """(records pointer, kind 4 or 8, bias pointer or 0) for a linear packed with izh's records."""
+def _linear_fields(linear: Linear, dtype: torch.dtype, keep: list[Tensor]) -> list[int] | None:
+    """(records pointer, kind 4 or 8, bias pointer or 0) for a linear packed with izh's records; for one in
+    a GGUF file's blocks (float32 only), (parts table, STACK_GGUF, bias), the table appended to `keep`."""
     packed = linear.packed
-    if not isinstance(packed, Q4Records | Q8Records):
-        return None
     bias = linear.bias
     if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return None
-    return [packed.records.data_ptr(), packed.kind, 0 if bias is None else bias.data_ptr()]
+    bias_ptr = 0 if bias is None else bias.data_ptr()
+    if isinstance(packed, GGUFBlocks) and dtype == torch.float32:
+        parts = [len(packed.parts)]
+        for part in packed.parts:
+            if part.raw.stride(1) != 1:
+                return None
+            type_id = GGUF_BLOCK_TYPES[part.ggml_type][0]
+            parts += [type_id, part.raw.data_ptr(), part.raw.stride(0), part.rows]
+        keep.append(torch.tensor(parts, dtype=torch.int64))
+        return [keep[-1].data_ptr(), cpu_ops.STACK_GGUF, bias_ptr]
+    if not isinstance(packed, Q4Records | Q8Records):
+        return None
+    return [packed.records.data_ptr(), packed.kind, bias_ptr]
 
 
 def _lora_table(lora: LoraModel, dtype: torch.dtype, num_layers: int) -> Tensor | None:

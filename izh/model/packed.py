@@ -143,7 +143,8 @@ class GGUFBlocks:
 
     max_rows: ClassVar[int] = RECORDS_ANY_ROWS
     kind: ClassVar[int] = 0
-    """Not a record format the fused decode stack reads: its layers run as modules."""
+    """Not one of izh's record formats (4, 8); the float32 fused decode stack reads the blocks as
+    `cpu_ops.STACK_GGUF` linears (izh.model.fused_stack)."""
 
     def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         """x [M, in] -> float32 [M, out], new or written into out[:M] and returned."""

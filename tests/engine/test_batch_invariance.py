@@ -1,8 +1,8 @@
-"""Batch invariance on every CPU kernel variant this machine runs: a packed (GGUF Q4_1) model's logits for
-a request are bit-identical whether it runs alone, in a batch of prompts of mixed lengths, with its prompt
-prefilled in small chunks, after preemption, or from the prefix cache (docs/operations.md, "Batch
-invariance"). The logits are read at the runner (every sampled row and every prompt row, float32), not
-through the sampled tokens alone."""
+"""Batch invariance on every CPU kernel variant this machine runs: a packed model's logits (GGUF Q4_1 in
+izh's records, or Q5_0 in the file's own blocks) for a request are bit-identical whether it runs alone, in
+a batch of prompts of mixed lengths, with its prompt prefilled in small chunks, after preemption, or from
+the prefix cache (docs/operations.md, "Batch invariance"). The logits are read at the runner (every sampled
+row and every prompt row, float32), not through the sampled tokens alone."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 
 from izh import LLM, SamplingParams
 from izh.kernels import cpu as cpu_ops
+from izh.model.packed import GGUFBlocks
 
 VARIANTS_HERE = cpu_ops.runnable_variants() if cpu_ops.available() else []
 _NO_VARIANT = pytest.param(None, marks=pytest.mark.skip(reason="C kernels unavailable here"))
@@ -115,11 +116,16 @@ def variant(request: pytest.FixtureRequest) -> Iterator[str]:
     cpu_ops.configure()  # back to the environment's variant for the tests after
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    ("kind", "qtype"),
+    # Q4_1: izh's records; Q5_0: the file's own blocks (their matmuls on the AMX tiles from 16 rows in the
+    # amx variant: prefills there, decodes on AVX-512)
+    [("llama", "Q4_1"), ("qwen2", "Q4_1"), ("qwen2", "Q5_0")],
+)
 def test_logits_do_not_depend_on_batch_chunks_preemption_or_prefix_cache(
-    variant: str, kind: str, tiny_gguf_factory
+    variant: str, kind: str, qtype: str, tiny_gguf_factory
 ) -> None:
-    path = tiny_gguf_factory(kind, "Q4_1")
+    path = tiny_gguf_factory(kind, qtype)
 
     def engine(**kwargs: Any) -> tuple[LLM, LogitsRecorder]:
         kwargs.setdefault("enable_prefix_caching", False)
@@ -127,7 +133,9 @@ def test_logits_do_not_depend_on_batch_chunks_preemption_or_prefix_cache(
         kwargs.setdefault("max_model_len", 96)
         llm = LLM(path, cpu_kernels=variant, **kwargs)
         runner = llm.engine_core.runner
-        assert (runner.dtype, runner.quantization) == (torch.float32, "int4")
+        assert runner.dtype == torch.float32
+        packed = runner.model.model.layers[0].self_attn.qkv_proj.packed
+        assert isinstance(packed, GGUFBlocks) if qtype == "Q5_0" else runner.quantization == "int4"
         assert cpu_ops.variant() == variant
         return llm, LogitsRecorder(llm)
 

@@ -29,3 +29,28 @@ def test_a_q5_0_gguf_runs_in_its_own_blocks_and_alone_equals_batched(tiny_gguf_f
     batched = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
     alone = [llm.generate([prompt], params)[0].outputs[0].token_ids for prompt in PROMPTS]
     assert batched == alone
+
+
+def test_the_fused_decode_stack_reads_the_blocks_and_gives_the_module_paths_logprobs(
+    tiny_gguf_factory,
+) -> None:
+    """A float32 model in GGUF blocks (Qwen2: qkv bias) decodes through the fused C stack, and its tokens
+    and logprobs are exactly the module path's."""
+    llm = LLM(
+        tiny_gguf_factory("qwen2", "Q5_0"), dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256
+    )
+    model = llm.engine_core.runner.model
+    fused = model.fused_stack
+    assert fused is not None
+    calls: list[int] = []
+    run = fused.run
+    fused.run = lambda *a, _run=run: calls.append(1) or _run(*a)  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    with_stack = llm.generate(PROMPTS, params)
+    assert len(calls) == 7  # every decode step after the prefill
+    model.fused_stack = None
+    llm.engine_core.reset_prefix_cache()
+    without = llm.generate(PROMPTS, params)
+    for a, b in zip(with_stack, without, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs

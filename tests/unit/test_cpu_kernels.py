@@ -399,6 +399,7 @@ SAPPHIRE_RAPIDS = SKYLAKE_X + " avx512_bf16 amx_tile amx_bf16 amx_int8"
         (SAPPHIRE_RAPIDS, "x86_64", "amx", ["amx", "avx512", "avx2", "generic"]),
         ("fpu sse2 ssse3 avx", "x86_64", "generic", ["generic"]),
         ("fp asimd evtstrm aes pmull asimddp", "aarch64", "neon", ["neon", "generic"]),
+        ("fp asimd evtstrm aes pmull", "aarch64", "generic", ["generic"]),  # NEON without dotprod
         ("fp", "aarch64", "generic", ["generic"]),
         ("", "riscv64", "generic", ["generic"]),
     ],
@@ -446,7 +447,7 @@ def test_variant_flags() -> None:
         flags("avx512")
     )
     assert {"-mamx-tile", "-mamx-bf16", "-mavx512bf16"} <= set(flags("amx"))
-    assert "-march=armv8-a+simd" in flags("neon", "aarch64") and "-march=armv8-a" in flags(
+    assert "-march=armv8.2-a+dotprod" in flags("neon", "aarch64") and "-march=armv8-a" in flags(
         "generic", "aarch64"
     )
 

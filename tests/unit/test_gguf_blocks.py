@@ -79,6 +79,40 @@ def test_block_matmul_is_its_reference_bit_for_bit_at_every_row_count(variant: s
                     assert torch.equal(got, want[:m]), (variant, name, n, k, m, threads)
 
 
+def _amx_skip_reason() -> str | None:
+    """Why the AMX tiles cannot be tested here, or None."""
+    if "amx" not in VARIANTS:
+        return "this CPU has no AMX (amx_tile, amx_bf16): the amx variant does not run here"
+    with cpu_ops.use_variant("amx"):
+        if not G.gguf_uses_amx("Q4_K", 64):
+            return "the CPU lacks AMX-INT8, or Linux refused this process the AMX tile data"
+    return None
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_amx_tiles_are_the_reference_bit_for_bit_at_large_row_counts(name: str) -> None:
+    """The amx variant's tiles (from 16 rows) at 1-70 rows (the test above) and at 128 and 300 rows, odd
+    weight-row counts (tails of the 16-row tile groups), 1 and 2 threads."""
+    reason = _amx_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    bs = G.block_size(name)
+    with cpu_ops.use_variant("amx"):
+        assert not G.gguf_uses_amx(name, 15) and G.gguf_uses_amx(name, 16) and G.gguf_uses_amx(name, 300)
+        for n, k in [(37, 2 * bs), (16, 5 * bs if bs == 32 else bs)]:
+            raw = torch.from_numpy(_raw(name, n, k, n * k))
+            x = _x(300, k, n)
+            want = G.gguf_matmul_ref(x, name, raw, n, k)
+            for m in (16, 17, 48, 128, 300):
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    try:
+                        got = G.gguf_matmul(x[:m], name, raw, n, k)
+                    finally:
+                        torch.set_num_threads(2)
+                    assert torch.equal(got, want[:m]), (name, n, k, m, threads)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
 def test_block_matmul_writes_into_columns_of_a_wider_buffer_from_strided_rows(
@@ -89,15 +123,16 @@ def test_block_matmul_writes_into_columns_of_a_wider_buffer_from_strided_rows(
     raw = torch.from_numpy(_raw(name, n, k, 3))
     padded = torch.zeros(n, raw.shape[1] + 40, dtype=torch.uint8)
     padded[:, : raw.shape[1]] = raw  # a row stride wider than the row
-    x = torch.zeros(9, k + 8)
-    x[:, :k] = _x(9, k, 4)
-    out = torch.full((9, n + 24), 7.0)
-    with cpu_ops.use_variant(variant):
-        G.gguf_matmul(x[:, :k], name, padded, n, k, out=out[:, 8 : 8 + n])
-    assert torch.equal(out[:, 8 : 8 + n], G.gguf_matmul_ref(x[:, :k].contiguous(), name, raw, n, k))
-    assert torch.equal(out[:, :8], torch.full((9, 8), 7.0)) and torch.equal(
-        out[:, 8 + n :], torch.full((9, 16), 7.0)
-    )
+    for m in (9, 40):  # 40: the amx variant's tiles
+        x = torch.zeros(m, k + 8)
+        x[:, :k] = _x(m, k, 4)
+        out = torch.full((m, n + 24), 7.0)
+        with cpu_ops.use_variant(variant):
+            G.gguf_matmul(x[:, :k], name, padded, n, k, out=out[:, 8 : 8 + n])
+        assert torch.equal(out[:, 8 : 8 + n], G.gguf_matmul_ref(x[:, :k].contiguous(), name, raw, n, k))
+        assert torch.equal(out[:, :8], torch.full((m, 8), 7.0)) and torch.equal(
+            out[:, 8 + n :], torch.full((m, 16), 7.0)
+        )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

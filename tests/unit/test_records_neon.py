@@ -14,8 +14,6 @@ an x86-64 host."""
 
 from __future__ import annotations
 
-import os
-import platform
 import re
 import shlex
 import shutil
@@ -27,41 +25,14 @@ import pytest
 
 from izh.kernels.cpu import compiler as B
 from izh.kernels.cpu import variants as V
+from tests.cross_aarch64 import CFLAGS, CROSS_CC, QEMU, SKIPS, cross_static, harness_env, sysroot
 
-CROSS_CC = "aarch64-linux-gnu-gcc"
-QEMU = "qemu-aarch64"
 HARNESS = Path(__file__).with_name("records_harness.c")
 
-pytestmark = [
-    pytest.mark.skipif(
-        shutil.which(CROSS_CC) is None, reason=f"{CROSS_CC} not installed (gcc-aarch64-linux-gnu)"
-    ),
-    pytest.mark.skipif(shutil.which(QEMU) is None, reason=f"{QEMU} not installed (qemu-user)"),
-    pytest.mark.skipif(shutil.which(B.CC) is None, reason=f"no host {B.CC}"),
-    pytest.mark.skipif(
-        V.machine_arch() != "x86_64", reason=f"the native builds are for x86-64; this is {platform.machine()}"
-    ),
-]
+pytestmark = SKIPS
 
-# The library's flags without the shared-object ones; the harness is a program.
-CFLAGS = [f for f in B.BASE_CFLAGS if f not in ("-fPIC", "-shared")]
 ROWS = sum((1, 2, 3, 5, 9, 17)) * 3 * 3 * 2 * 2  # row hashes: sum(M) x 3 N x 3 K x 2 kinds x 2 teams
 LINE = re.compile(r"^(q[48]) K=(\d+) N=(\d+) M=(\d+) nt=(\d) row=(\d+) ([0-9a-f]{16})$")
-
-
-def _cross_static() -> bool:
-    """Whether the cross toolchain has the static libgomp and libc that a -static link needs."""
-    for lib in ("libgomp.a", "libc.a"):
-        probe = subprocess.run([CROSS_CC, f"-print-file-name={lib}"], capture_output=True, text=True)
-        if probe.returncode != 0 or not Path(probe.stdout.strip()).is_absolute():
-            return False
-    return True
-
-
-def _sysroot() -> str:
-    probe = subprocess.run([CROSS_CC, "-print-sysroot"], capture_output=True, text=True)
-    root = probe.stdout.strip() if probe.returncode == 0 else ""
-    return root if root and root != "/" else "/usr/aarch64-linux-gnu"
 
 
 def _build(cc: str, flags: list[str], out: Path) -> subprocess.Popen[str]:
@@ -79,7 +50,7 @@ def _build(cc: str, flags: list[str], out: Path) -> subprocess.Popen[str]:
 def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The harness's output per build: neon (under qemu), generic, and avx2 where this CPU runs it."""
     tmp = tmp_path_factory.mktemp("records_neon")
-    neon_flags = list(V.get_variant("neon", "aarch64").cflags) + (["-static"] if _cross_static() else [])
+    neon_flags = list(V.get_variant("neon", "aarch64").cflags) + (["-static"] if cross_static() else [])
     builds = {"neon": (CROSS_CC, neon_flags)}
     builds["generic"] = (B.CC, list(V.get_variant("generic", "x86_64").cflags))
     if not V.missing_flags("avx2"):
@@ -93,12 +64,11 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     if nm:
         symbols = subprocess.run([nm, str(tmp / "harness-neon")], capture_output=True, text=True).stdout
         assert "x8_tile_neon_" in symbols, "the aarch64 harness has no NEON tile: records_neon.h not used?"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
-    env.update(OMP_DYNAMIC="false", OMP_WAIT_POLICY="passive")
+    env = harness_env()
     runs = {}
     for name in builds:
         exe = str(tmp / f"harness-{name}")
-        cmd = [QEMU, "-L", _sysroot(), exe] if name == "neon" else [exe]
+        cmd = [QEMU, "-L", sysroot(), exe] if name == "neon" else [exe]
         runs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     result = {}
     for name, proc in runs.items():

@@ -44,6 +44,7 @@ from izh.kernels.cpu.library import (
 )
 from izh.kernels.cpu.ops import (
     STACK_FIELDS,
+    STACK_GGUF,
     STACK_LORA_FIELDS,
     STACK_LORA_LINEAR,
     add_rms_norm_,
@@ -91,6 +92,7 @@ __all__ = [
     "Q8_RECORD_BYTES",
     "QGEMM_GROUP",
     "STACK_FIELDS",
+    "STACK_GGUF",
     "STACK_LORA_FIELDS",
     "STACK_LORA_LINEAR",
     "VARIANT_NAMES",

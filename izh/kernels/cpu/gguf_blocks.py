@@ -32,6 +32,7 @@ __all__ = [
     "gguf_matmul_ref",
     "gguf_rows",
     "gguf_rows_ref",
+    "gguf_uses_amx",
     "quantize_rows_ref",
 ]
 
@@ -217,11 +218,11 @@ def gguf_rows_ref(ggml_type: int | str, raw: np.ndarray | Tensor, ids: Tensor, k
 # --- the C kernels ----------------------------------------------------------------------------------------
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_BOUND: dict[int, tuple[Any, Any] | None] = {}
+_BOUND: dict[int, tuple[Any, Any, Any] | None] = {}
 
 
-def _kernels(lib: CpuLibrary) -> tuple[Any, Any] | None:
-    """(matmul, dequant_rows) of a loaded library, bound once; None without a library."""
+def _kernels(lib: CpuLibrary) -> tuple[Any, Any, Any] | None:
+    """(matmul, dequant_rows, uses_amx) of a loaded library, bound once; None without a library."""
     if lib.handle is None:
         return None
     key = id(lib.handle)
@@ -232,7 +233,10 @@ def _kernels(lib: CpuLibrary) -> tuple[Any, Any] | None:
         rows = lib.handle.izh_gguf_dequant_rows
         rows.restype = _INT
         rows.argtypes = [_INT, _P, _I64, _I64, _P, _I64, _I64, _P, _I64]
-        _BOUND[key] = (matmul, rows)
+        uses_amx = lib.handle.izh_gguf_uses_amx
+        uses_amx.restype = _INT
+        uses_amx.argtypes = [_INT, _I64]
+        _BOUND[key] = (matmul, rows, uses_amx)
     return _BOUND[key]
 
 
@@ -280,6 +284,13 @@ def gguf_matmul(
     if rc != 0:
         raise ValueError(f"gguf_matmul failed (code {rc}) for {name} x {tuple(x.shape)}, weight ({n}, {k})")
     return out
+
+
+def gguf_uses_amx(ggml_type: int | str, rows: int) -> bool:
+    """Whether `gguf_matmul` of `rows` rows runs on the AMX tiles (the amx variant, a CPU with AMX-INT8 that
+    Linux lets use them, from 16 rows): the same bits as every other path, faster on large batches."""
+    kernels = _kernels(STATE.active or resolve())
+    return kernels is not None and bool(kernels[2](GGUF_BLOCK_TYPES[_name(ggml_type)][0], rows))
 
 
 def gguf_rows(ggml_type: int | str, raw: Tensor, ids: Tensor, k: int) -> Tensor:

@@ -37,6 +37,7 @@ from izh.kernels.cpu.reference import (
 
 __all__ = [
     "STACK_FIELDS",
+    "STACK_GGUF",
     "STACK_LORA_FIELDS",
     "STACK_LORA_LINEAR",
     "add_rms_norm_",
@@ -399,6 +400,10 @@ def q8_matmul(x: Tensor, records: Tensor, n: int, k: int, out: Tensor | None = N
 
 STACK_FIELDS = 15
 """int64 fields per layer in `decode_stack`'s table (the STACK_* enum in csrc/common.h)."""
+
+STACK_GGUF = 1
+"""A linear's kind in the float32 stack's table when its rows are GGUF blocks: its first field points at
+int64 [1 + 4 * parts], the number of parts, then (ggml type, blocks, row bytes, rows) per part."""
 
 STACK_LORA_LINEAR = 7
 """int64 fields per linear in `decode_stack`'s LoRA table: A, Bt, n, the n + 1 shard bounds padded to 4

@@ -8,12 +8,14 @@ valid on every CPU that has the variant's flags):
 | generic | x86_64 | -march=x86-64 -mtune=generic | none |
 | avx2 | x86_64 | -march=x86-64-v3 -mtune=generic | x86-64-v3: avx2 fma f16c bmi1 bmi2 ... |
 | avx512 | x86_64 | -march=x86-64-v4 -mavx512bf16 -mavx512vnni -mprefer-vector-width=512 | v3 + avx512f bw cd dq vl, avx512_bf16, avx512_vnni |
-| amx | x86_64 | avx512's + -mamx-tile -mamx-bf16 | avx512's + amx_tile amx_bf16 |
+| amx | x86_64 | avx512's + -mamx-tile -mamx-bf16 -mamx-int8 | avx512's + amx_tile amx_bf16 (AMX-INT8, which the GGUF block matmuls use, is checked at run time) |
 | generic | aarch64 | -march=armv8-a (NEON included) | none |
-| neon | aarch64 | -march=armv8-a+simd | asimd |
+| neon | aarch64 | -march=armv8.2-a+dotprod | asimd asimddp (SDOT: the GGUF block matmuls' dot products) |
 
 On any other machine `generic` is built with no `-march` flag. A CPU with AVX-512 but no AVX512-BF16
-gets `avx2`: the AVX-512 code paths (record matmuls, bf16 attention scores, argmax) need BF16. The flags
+gets `avx2`: the AVX-512 code paths (record matmuls, bf16 attention scores, argmax) need BF16. An ARMv8
+CPU without dotprod (Cortex-A53/A72) gets aarch64's `generic`, which has NEON too (armv8-a includes it):
+the same NEON record tiles, and SMULL + SADALP in place of SDOT in the GGUF block matmuls. The flags
 are the words of /proc/cpuinfo's `flags` (x86) or `Features` (aarch64) line.
 """
 
@@ -66,14 +68,20 @@ _TABLE: tuple[Variant, ...] = (
     Variant(
         "amx",
         "x86_64",
-        (*_AVX512_FLAGS, "-mamx-tile", "-mamx-bf16"),
+        (*_AVX512_FLAGS, "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
         _AVX512 | {"amx_tile", "amx_bf16"},
         ("amx_tile", "amx_bf16", "avx512_bf16"),
     ),
     Variant("avx512", "x86_64", _AVX512_FLAGS, _AVX512, ("avx512f", "avx512bw", "avx512_bf16")),
     Variant("avx2", "x86_64", ("-march=x86-64-v3", "-mtune=generic"), _X86_V3, ("avx2", "fma", "f16c")),
     Variant("generic", "x86_64", ("-march=x86-64", "-mtune=generic"), frozenset()),
-    Variant("neon", "aarch64", ("-march=armv8-a+simd",), frozenset({"asimd"}), ("asimd",)),
+    Variant(
+        "neon",
+        "aarch64",
+        ("-march=armv8.2-a+dotprod",),
+        frozenset({"asimd", "asimddp"}),
+        ("asimd", "asimddp"),
+    ),
     Variant("generic", "aarch64", ("-march=armv8-a",), frozenset()),
 )
 

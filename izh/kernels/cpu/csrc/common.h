@@ -145,9 +145,16 @@ IZH_DECLARE_ROW_KERNELS(bf16)
 
 /* The decode stacks' per-layer table (izh_decode_stack_bf16 in stack.c): num_layers rows of STACK_FIELDS
  * int64: input-norm weight, post-attention-norm weight, KV cache ([2, num_blocks, block_size, kvh, d]),
- * then (records, kind 4 or 8, bias or 0) for qkv, o, gate_up, down. */
+ * then (records, kind 4 or 8, bias or 0) for qkv, o, gate_up, down. The float32 stack also takes kind
+ * STACK_GGUF: the linear's rows in GGUF blocks (gguf_blocks.c), the first field then pointing at int64
+ * [1 + 4 * parts]: the number of parts, then per part (ggml type, blocks, row bytes, rows), stacked by rows. */
 enum { STACK_IN_NORM, STACK_POST_NORM, STACK_KV, STACK_QKV, STACK_O = STACK_QKV + 3, STACK_GATE_UP = STACK_O + 3,
        STACK_DOWN = STACK_GATE_UP + 3, STACK_FIELDS = STACK_DOWN + 3 };
+enum { STACK_GGUF = 1 };
+
+/* gguf_blocks.c: out [M, N] = x [M, K] @ W^T over GGUF blocks (see there). */
+int izh_gguf_matmul_f32(int type, const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int64_t M,
+                        int64_t N, int64_t K, float *out, int64_t os, int nt);
 
 /* The decode stacks' LoRA table (lora.c; izh.model.fused_stack builds it): num_layers rows of STACK_LORA_FIELDS
  * int64, for qkv, o, gate_up, down in turn: A [slots, n * R, K], Bt [slots, n * R, N] (0: no adapter on
@@ -161,7 +168,9 @@ int izh_lora_add_f32(const float *x, int64_t M, int64_t K, float *out, int64_t N
 int izh_lora_add_bf16(const uint16_t *x, int64_t M, int64_t K, uint16_t *out, int64_t N, const int64_t *lin,
                       int64_t R, const int32_t *row_slots, const int32_t *slot_ranks, int nt);
 
-/* qgemm_avx512.c (stubs returning -2, or 0 rows, without HAVE_QGEMM) */
+/* qgemm_avx512.c (stubs returning -2, or 0 rows, without HAVE_QGEMM). izh_amx_permitted: 1 once Linux has
+ * granted this process the AMX tile data (arch_prctl, asked on the first call), 0 without AMX in the build. */
+int izh_amx_permitted(void);
 int izh_qgemm_available(void);
 int izh_qgemm_max_rows(void);
 int izh_qgemm_uses_amx(int q8, int64_t M);

@@ -26,7 +26,8 @@
  *
  * Dot products: AVX2 vpmaddubsw on (|c|, q with c's sign) then vpmaddwd (|c| <= 128, |q| <= 127: a pair
  * sum stays below 2^15); AVX-512 VNNI vpdpbusd on the same operands, 64 inputs per instruction for the
- * 256-input blocks; plain C elsewhere (generic, and aarch64, where gcc vectorises it with NEON). */
+ * 256-input blocks; in the amx build, from GQ_AMX_MIN_M rows, AMX-INT8 tiles (gguf_blocks_amx.h); on
+ * aarch64 NEON, SDOT where the build targets dotprod (gguf_blocks_neon.h); plain C elsewhere (generic). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -117,9 +118,20 @@ INLINE void gq_scale_min_k4(int j, const uint8_t *q, int32_t *sc, int32_t *mn) {
     }
 }
 
+#if defined(__ARM_NEON) && defined(__aarch64__)
+#define GQ_NEON 1
+INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b);
+#include "gguf_blocks_neon.h"
+#else
+#define GQ_NEON 0
+#endif
+
 /* Decodes one block of `type` at p (see the header); returns nothing, `type` is one gq_info serves. */
 INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
     int8_t *c = b->c;
+#if GQ_NEON
+    if (gq_decode_neon(type, p, b)) return;
+#endif
     switch (type) {
     case GQ_Q4_0:
     case GQ_Q4_1:
@@ -476,6 +488,13 @@ INLINE void gq_rows8(const int type, const uint8_t *w, int64_t row_bytes, int64_
         for (; n + 8 <= n1; n += 8) gq_rows8(T, w, row_bytes, n, m0, m1, K, xq, dx, ex, qs16, out, os);       \
         if (n < n1) gq_rows(T, w, row_bytes, n, n1, m0, m1, K, xq, dx, ex, qs16, out, os);                  \
     } while (0)
+#elif GQ_NEON
+#define GQ_ROWS(T)                                                                                            \
+    do {                                                                                                      \
+        int64_t n = n0;                                                                                       \
+        for (; n + 4 <= n1; n += 4) gq_rows4(T, w, row_bytes, n, m0, m1, K, xq, dx, ex, qs16, out, os);       \
+        if (n < n1) gq_rows(T, w, row_bytes, n, n1, m0, m1, K, xq, dx, ex, qs16, out, os);                  \
+    } while (0)
 #else
 #define GQ_ROWS(T) gq_rows(T, w, row_bytes, n0, n1, m0, m1, K, xq, dx, ex, qs16, out, os)
 #endif
@@ -501,8 +520,33 @@ static void gq_dispatch(int type, const uint8_t *w, int64_t row_bytes, int64_t n
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__linux__)
+#include "gguf_blocks_amx.h"
+#define GQ_AMX 1
+#else
+#define GQ_AMX 0
+#endif
+/* Rows from which the amx build's matmuls run on the AMX tiles (bench_results/gguf_amx-*.json). */
+#ifndef GQ_AMX_MIN_M /* benchmarks/gguf_amx.py builds its own with -D */
+#define GQ_AMX_MIN_M 16
+#endif
+
+/* 1 when a matmul of M rows runs on the AMX tiles. */
+static int gq_uses_amx(int64_t M) {
+#if GQ_AMX
+    return M >= GQ_AMX_MIN_M && gq_amx_usable();
+#else
+    (void)M;
+    return 0;
+#endif
+}
+
 /* The block size (inputs) of a ggml type this file serves, else 0. */
 int izh_gguf_block_size(int type) { return gq_info(type, NULL, NULL); }
+
+/* 1 when a matmul of M rows of `type` (a served one) runs on the AMX tiles in this library (the amx build, on
+ * a CPU with AMX-INT8 where Linux allows it, from GQ_AMX_MIN_M rows), else 0. The result is the same bits. */
+int izh_gguf_uses_amx(int type, int64_t M) { return gq_info(type, NULL, NULL) && gq_uses_amx(M); }
 
 /* out [M, N] (row stride os) = x [M, K] (fp32, row stride xs) @ W^T, W = N rows of `type` blocks, row n at
  * w + n * row_bytes. Returns 0; -1 for a type not served, a bad shape (M, N < 1, K not a multiple of the
@@ -513,13 +557,31 @@ int izh_gguf_matmul_f32(int type, const float *x, int64_t xs, const uint8_t *w, 
     const int bs = gq_info(type, &bytes, &mk);
     if (bs == 0 || M < 1 || N < 1 || K < bs || K % bs || row_bytes < K / bs * bytes || xs < K || os < N)
         return -1;
-    const size_t groups = (size_t)M * (size_t)(K / bs);
-    char *buf = (char *)malloc((size_t)M * (size_t)K + groups * 8 + (size_t)M * (size_t)(K / 16) * 4 + 64);
+    const int amx = gq_uses_amx(M);
+    const size_t groups = (size_t)M * (size_t)(K / bs), xq_bytes = ((size_t)M * (size_t)K + 63) & ~(size_t)63;
+    char *buf = (char *)aligned_alloc(64, xq_bytes + ((groups * 8 + (size_t)M * (size_t)(K / 16) * 4 + 63) & ~(size_t)63));
     if (!buf) return -4;
     int8_t *xq = (int8_t *)buf;
-    float *dx = (float *)(buf + (((size_t)M * (size_t)K + 15) & ~(size_t)15));
+    float *dx = (float *)(buf + xq_bytes);
     float *ex = dx + groups;
     int32_t *qs16 = (int32_t *)(ex + groups);
+#if GQ_AMX
+    /* the tiles' copy of the activations (gq_amx_act), rows padded to 16 */
+    gq_amx_act act = {NULL, NULL, NULL, NULL, (M + 15) / 16 * 16};
+    char *abuf = NULL;
+    if (amx) {
+        const size_t blocks = (size_t)(K / bs), Mq = (size_t)act.Mq, xv_bytes = Mq * (size_t)K;
+        abuf = (char *)aligned_alloc(64, ((xv_bytes + 63) & ~(size_t)63) + blocks * Mq * (mk == GQ_MIN_INT ? 24 : 8) + 64);
+        if (!abuf) {
+            free(buf);
+            return -4;
+        }
+        act.xv = (int8_t *)abuf;
+        act.dxT = (float *)(abuf + ((xv_bytes + 63) & ~(size_t)63));
+        act.exT = act.dxT + blocks * Mq;
+        act.qpT = (int32_t *)(act.exT + blocks * Mq);
+    }
+#endif
     const int64_t work = N * K;
     if (nt < 1) nt = 1;
     if (work * M < PAR_MIN_ELEMS) nt = 1;
@@ -528,12 +590,27 @@ int izh_gguf_matmul_f32(int type, const float *x, int64_t xs, const uint8_t *w, 
         const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
         gq_quantize_rows(x, xs, M * me / team, M * (me + 1) / team, K, bs, xq, dx, ex, qs16);
 #pragma omp barrier
-        const int64_t n0 = N * me / team, n1 = N * (me + 1) / team;
-        for (int64_t m0 = 0; m0 < M; m0 += GQ_MC) {
-            const int64_t m1 = m0 + GQ_MC < M ? m0 + GQ_MC : M;
-            gq_dispatch(type, w, row_bytes, n0, n1, m0, m1, K, xq, dx, ex, qs16, out, os);
+#if GQ_AMX
+        if (amx) {
+            const int64_t tiles = act.Mq / 16, col_groups = (N + 15) / 16;
+            gq_amx_prepare(xq, dx, ex, qs16, M, K, bs, mk == GQ_MIN_INT, tiles * me / team, tiles * (me + 1) / team,
+                           &act);
+#pragma omp barrier
+            gq_amx_dispatch(type, w, row_bytes, N, col_groups * me / team, col_groups * (me + 1) / team, M, K, &act,
+                            out, os);
+        } else
+#endif
+        {
+            const int64_t n0 = N * me / team, n1 = N * (me + 1) / team;
+            for (int64_t m0 = 0; m0 < M; m0 += GQ_MC) {
+                const int64_t m1 = m0 + GQ_MC < M ? m0 + GQ_MC : M;
+                gq_dispatch(type, w, row_bytes, n0, n1, m0, m1, K, xq, dx, ex, qs16, out, os);
+            }
         }
     }
+#if GQ_AMX
+    free(abuf);
+#endif
     free(buf);
     return 0;
 }

@@ -341,6 +341,9 @@ static int gemm_amx(const int q8, const uint16_t *x, int64_t xs, const uint8_t *
 }
 #endif
 
+/* 1 when this process may use the AMX tiles (asked once; common.h). */
+int izh_amx_permitted(void) { return amx_available(); }
+
 /* The most rows the record matmuls take: AMX_MAX_M with AMX, else QGEMM_MAX_M. */
 int izh_qgemm_max_rows(void) { return amx_available() ? AMX_MAX_M : QGEMM_MAX_M; }
 
@@ -366,6 +369,7 @@ int izh_q8_gemm(const uint16_t *x, int64_t xs, const uint8_t *w, int64_t M, int6
     return q8_gemm_avx(x, xs, w, M, N, K, out, os, out_f32, nt);
 }
 #else
+int izh_amx_permitted(void) { return 0; }
 int izh_qgemm_available(void) { return 0; }
 int izh_qgemm_max_rows(void) { return 0; }
 int izh_qgemm_uses_amx(int q8, int64_t M) {

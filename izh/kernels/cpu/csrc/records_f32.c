@@ -548,9 +548,23 @@ int izh_q8_gemm_f32(const float *x, int64_t xs, const uint8_t *w, int64_t M, int
  * matmul refused its shape. */
 static int stack_linear_f32(const int64_t *lin, const float *x, int64_t M, int64_t N, int64_t K, float *out,
                             int nt) {
-    const uint8_t *rec = (const uint8_t *)(intptr_t)lin[0];
-    const int rc = x8_gemm(lin[1] == 8, x, K, rec, M, N, K, out, N, nt);
-    if (rc) return rc == -1 ? -6 : rc;
+    if (lin[1] == STACK_GGUF) { /* the parts' matmuls into their columns, as GGUFBlocks.matmul makes them */
+        const int64_t *parts = (const int64_t *)(intptr_t)lin[0];
+        int64_t start = 0;
+        for (int64_t p = 0; p < parts[0]; p++) {
+            const int64_t *part = parts + 1 + 4 * p;
+            if (start + part[3] > N) return -6;
+            const int rc = izh_gguf_matmul_f32((int)part[0], x, K, (const uint8_t *)(intptr_t)part[1], part[2], M,
+                                               part[3], K, out + start, N, nt);
+            if (rc) return rc == -1 ? -6 : rc;
+            start += part[3];
+        }
+        if (start != N) return -6;
+    } else {
+        const uint8_t *rec = (const uint8_t *)(intptr_t)lin[0];
+        const int rc = x8_gemm(lin[1] == 8, x, K, rec, M, N, K, out, N, nt);
+        if (rc) return rc == -1 ? -6 : rc;
+    }
     const float *bias = (const float *)(intptr_t)lin[2];
     if (bias)
         for (int64_t m = 0; m < M; m++)
