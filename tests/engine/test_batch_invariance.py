@@ -1,5 +1,6 @@
 """Batch invariance on every CPU kernel variant this machine runs: a packed (GGUF Q4_1) model's logits for
-a request are bit-identical whether it runs alone, in a batch of prompts of mixed lengths, with its prompt
+a request (Llama, Qwen2, and Gemma 2 and 3 and Phi-3, whose sliding windows free KV blocks) are
+bit-identical whether it runs alone, in a batch of prompts of mixed lengths, with its prompt
 prefilled in small chunks, after preemption, or from the prefix cache (docs/operations.md, "Batch
 invariance"). The logits are read at the runner (every sampled row and every prompt row, float32), not
 through the sampled tokens alone."""
@@ -115,7 +116,7 @@ def variant(request: pytest.FixtureRequest) -> Iterator[str]:
     cpu_ops.configure()  # back to the environment's variant for the tests after
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma2", "gemma3", "phi3"])
 def test_logits_do_not_depend_on_batch_chunks_preemption_or_prefix_cache(
     variant: str, kind: str, tiny_gguf_factory
 ) -> None:
@@ -146,9 +147,14 @@ def test_logits_do_not_depend_on_batch_chunks_preemption_or_prefix_cache(
     for i, result in enumerate(rec_chunked.run(chunked, PROMPTS)):
         _assert_same(result, alone[i], f"chunked prefill, prompt {i}")
 
-    # 6 blocks of 16 positions: six prompts growing by 12 tokens cannot all stay, some are recomputed.
+    # Room for one sequence of max_model_len (6 blocks of 16 positions without a sliding window; gemma
+    # and phi3 window 8 keys, so their sliding groups free blocks as prompts grow past it): six
+    # prompts growing by 12 tokens cannot all stay, some are recomputed.
     block_bytes = llm.engine_core.runner.kv_bytes_per_block()
-    small, rec_small = engine(kv_cache_memory_bytes=6 * block_bytes)
+    one_sequence = llm.engine_core.kv_cache_manager.max_blocks_per_request(
+        96, llm.engine_core.scheduler.max_num_batched_tokens
+    )
+    small, rec_small = engine(kv_cache_memory_bytes=one_sequence * block_bytes)
     for i, result in enumerate(rec_small.run(small, PROMPTS)):
         _assert_same(result, alone[i], f"preempted, prompt {i}")
     assert small.engine_core.make_stats().num_preemptions > 0
