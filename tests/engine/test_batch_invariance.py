@@ -147,14 +147,12 @@ def test_logits_do_not_depend_on_batch_chunks_preemption_or_prefix_cache(
     for i, result in enumerate(rec_chunked.run(chunked, PROMPTS)):
         _assert_same(result, alone[i], f"chunked prefill, prompt {i}")
 
-    # Room for one sequence of max_model_len (6 blocks of 16 positions without a sliding window; gemma
-    # and phi3 window 8 keys, so their sliding groups free blocks as prompts grow past it): six
-    # prompts growing by 12 tokens cannot all stay, some are recomputed.
+    # Room for one sequence of max_model_len in steps of 16 tokens (6 blocks of 16 positions without a
+    # sliding window; gemma and phi3 window 8 keys, so each sliding group holds at most 3): six prompts
+    # growing by 12 tokens cannot all stay, some are recomputed.
     block_bytes = llm.engine_core.runner.kv_bytes_per_block()
-    one_sequence = llm.engine_core.kv_cache_manager.max_blocks_per_request(
-        96, llm.engine_core.scheduler.max_num_batched_tokens
-    )
-    small, rec_small = engine(kv_cache_memory_bytes=one_sequence * block_bytes)
+    one_sequence = llm.engine_core.kv_cache_manager.max_blocks_per_request(96, 16)
+    small, rec_small = engine(kv_cache_memory_bytes=one_sequence * block_bytes, max_num_batched_tokens=16)
     for i, result in enumerate(rec_small.run(small, PROMPTS)):
         _assert_same(result, alone[i], f"preempted, prompt {i}")
     assert small.engine_core.make_stats().num_preemptions > 0
