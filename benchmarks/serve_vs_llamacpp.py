@@ -45,12 +45,14 @@ def _cpu() -> dict[str, str]:
     return {"model": model, "flags": " ".join(flags)}
 
 
-def _bench(url: str, level: tuple[str, int, int, int, int], izh: str, seed: int) -> dict[str, float]:
+def _bench(
+    url: str, level: tuple[str, int, int, int, int], izh: str, seed: int, alias: str
+) -> dict[str, float]:
     _name, conc, requests, input_len, output_len = level
     cmd = [
         izh, "bench", "--url", url, "--endpoint", "chat", "--concurrency", str(conc), "--requests",
         str(requests), "--input-len", str(input_len), "--output-len", str(output_len), "--ignore-eos",
-        "--json", "--out", "/tmp/serve_vs_llamacpp-bench.json", "--model", "smollm2", "--seed", str(seed),
+        "--json", "--out", "/tmp/serve_vs_llamacpp-bench.json", "--model", alias, "--seed", str(seed),
     ]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
     if run.returncode != 0:
@@ -81,6 +83,11 @@ def main() -> None:
     parser.add_argument(
         "--gguf", default=str(Path("~/.cache/izh/models/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser())
     )
+    parser.add_argument(
+        "--alias",
+        default="smollm2",
+        help="the model name both servers answer to (izh bench's prompts are sized by the server's /tokenize)",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
         "--seed",
@@ -105,9 +112,9 @@ def main() -> None:
     threads = str(os.cpu_count() or 1)
     levels = LEVELS if args.levels == "all" else [LEVELS[int(i)] for i in args.levels.split(",")]
     izh_port, llama_port = free_port(), free_port()
-    izh_cmd = [izh, "serve", args.gguf, "--served-model-name", "smollm2", "--port", str(izh_port), "--log-level", "warning", *args.izh_arg]  # fmt: skip
+    izh_cmd = [izh, "serve", args.gguf, "--served-model-name", args.alias, "--port", str(izh_port), "--log-level", "warning", *args.izh_arg]  # fmt: skip
     llama_cmd = [
-        args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(llama_port), "-a", "smollm2",
+        args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(llama_port), "-a", args.alias,
         "-c", "65536", "-np", "32", "-kvu", "-cb", "-t", threads, "-tb", threads, "--no-webui",
     ]  # fmt: skip
     base_port = free_port()
@@ -141,7 +148,7 @@ def main() -> None:
             for level in levels:
                 order = list(servers.items()) if seed % 2 == 0 else list(servers.items())[::-1]
                 for name, url in order:
-                    summary = _bench(url, level, izh, seed)
+                    summary = _bench(url, level, izh, seed, args.alias)
                     runs.append({"round": r, "seed": seed, "level": level[0], "server": name, **summary})
                     print(json.dumps(runs[-1]), flush=True)
     finally:

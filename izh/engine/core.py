@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from izh.config import CUDA_BATCHED_TOKENS, EngineConfig, default_batched_tokens
+from izh.config import EngineConfig
 from izh.engine.guided import GrammarManager
 from izh.engine.heap import release_free_heap
 from izh.engine.kv_cache import KVCacheManager
@@ -57,17 +57,11 @@ class EngineCore:
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             enable_caching=config.enable_prefix_caching,
+            group_windows=self.runner.kv_group_windows,
         )
         self.scheduler = Scheduler(
             kv_cache_manager=self.kv_cache_manager,
-            max_num_batched_tokens=config.max_num_batched_tokens
-            or (
-                # An encoder has no decode streams whose inter-token gap a long step would stretch:
-                # its default budget is the throughput one (32 inputs of 64 tokens in one forward).
-                CUDA_BATCHED_TOKENS
-                if self.runner.is_encoder
-                else default_batched_tokens(self.runner.device.type)
-            ),
+            max_num_batched_tokens=self.runner.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,

@@ -217,8 +217,8 @@ class BlockPool:
             return
         for index in range(start, end):
             block = blocks[index]
-            if block.block_hash is not None:
-                continue  # a prefix hit: already cached
+            if block.block_hash is not None or block.block_id < 0:
+                continue  # a prefix hit (already cached), or a sliding window's null block
             block_hash = block_hashes[index]
             if block_hash not in self.cached_block_hash_to_block:
                 block.block_hash = block_hash
@@ -241,19 +241,71 @@ def _check(condition: bool, message: str) -> None:
         raise AssertionError(message)
 
 
-class KVCacheManager:
-    """Gives requests block tables, shares prefix-cache hits between them, and frees their blocks."""
+def blocks_per_request(
+    group_windows: Sequence[int | None], block_size: int, num_tokens: int, max_chunk: int
+) -> int:
+    """The most blocks one request of `num_tokens` tokens holds at once when at most `max_chunk` of them
+    are computed in one step: a full-attention group a block per block_size tokens, a sliding group at
+    most its window plus one step's tokens (the blocks wholly before the window go before each step)."""
+    whole = -(-num_tokens // block_size)
+    total = 0
+    for window in group_windows:
+        if window is None:
+            total += whole
+        else:
+            total += min(whole, -(-(window - 1 + max_chunk) // block_size) + 1)
+    return total
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+
+NULL_BLOCK = KVCacheBlock(block_id=-1)
+"""Stands in a sliding-window group's block table for a block freed (or never taken) because it lies
+wholly before the window: never in the pool, never read, id -1 in the table the runner builds."""
+
+
+def _group_key(block_hash: bytes, group: int) -> bytes:
+    """The prefix-cache key of a block of KV cache group `group`: each group keeps its own blocks for the
+    same tokens. Group 0 uses the hash itself (a one-group manager is unchanged); another group's key is
+    one byte longer than any hash, so keys never collide."""
+    return block_hash if group == 0 else block_hash + bytes((group,))
+
+
+class KVCacheManager:
+    """Gives requests block tables, shares prefix-cache hits between them, and frees their blocks.
+
+    With several KV cache groups (`group_windows`, one entry per group: None for full attention, else the
+    group's sliding window; izh.model.sliding_window.KVCacheLayout) every request has one block table per
+    group, all drawn from the one pool and all as long as its token count (a sliding group's leading
+    entries are NULL_BLOCK). A sliding group frees each block as soon as it lies wholly before the window
+    of the next token to compute (as vLLM's SlidingWindowManager), so it holds about window / block_size
+    blocks however long the sequence grows. A prefix-cache hit must hold in every group: the full groups'
+    blocks from the start, a sliding group's only those the window of the first token to compute needs.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        group_windows: Sequence[int | None] = (None,),
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not group_windows or any(w is not None and w < 1 for w in group_windows):
+            raise ValueError(f"need one window (None or >= 1) per KV cache group, got {group_windows}")
+        if len(group_windows) > 255:
+            raise ValueError(f"at most 255 KV cache groups, got {len(group_windows)}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.group_windows = tuple(group_windows)
+        self.num_groups = len(self.group_windows)
+        self.full_groups = [g for g, w in enumerate(self.group_windows) if w is None]
+        self.sliding_groups = [(g, w) for g, w in enumerate(self.group_windows) if w is not None]
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_blocks: dict[str, list[list[KVCacheBlock]]] = {}
+        """Per request, per group, its block table (NULL_BLOCK where a sliding group dropped a block)."""
         # Kept in step with req_to_blocks so the scheduler can hand out block tables without a copy.
-        self.req_to_block_ids: dict[str, list[int]] = {}
+        self.req_to_block_ids: dict[str, list[list[int]]] = {}
         # How many leading blocks of each request are already cached (or were tried): only the blocks
         # past it get hashed and cached, so a decode step does O(1) cache work.
         self.num_cached_blocks: dict[str, int] = {}
@@ -271,25 +323,73 @@ class KVCacheManager:
         """Fraction of blocks held by requests (cached but free blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
+        """`blocks_per_request` for this manager's groups."""
+        return blocks_per_request(self.group_windows, self.block_size, num_tokens, max_chunk)
+
+    def group_hit_blocks(self, computed_blocks: list[KVCacheBlock], group: int) -> list[KVCacheBlock]:
+        """Group `group`'s share of `get_computed_blocks`' list (every group hits as many blocks)."""
+        share = len(computed_blocks) // self.num_groups
+        return computed_blocks[group * share : (group + 1) * share]
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request's full blocks, and its length in tokens.
 
         At most `(num_tokens - 1) // block_size` blocks: the last token is always left to compute, so
-        the step that computes it can sample. Touches nothing; `allocate_slots` takes the references
-        and counts the lookup in prefix_cache_queries / prefix_cache_hits once it succeeds, so a request
-        that keeps waiting for blocks is counted once, not every step.
+        the step that computes it can sample. The blocks come group after group, each group's hit as
+        long (`group_hit_blocks`), a sliding group's with NULL_BLOCK before its window. Touches nothing;
+        `allocate_slots` takes the references and counts the lookup in prefix_cache_queries /
+        prefix_cache_hits once it succeeds, so a request that keeps waiting for blocks is counted once,
+        not every step.
         """
         if not self.enable_caching or request.skips_prefix_cache:
             return [], 0
         update_block_hashes(request, self.block_size)
-        max_num_blocks = (request.num_tokens - 1) // self.block_size
-        computed_blocks: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_num_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            computed_blocks.append(block)
-        return computed_blocks, len(computed_blocks) * self.block_size
+        hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
+        cached = self.block_pool.cached_block_hash_to_block
+        end = len(hashes)
+        if self.full_groups:
+            end = 0
+            for block_hash in hashes:
+                if any(_group_key(block_hash, g) not in cached for g in self.full_groups):
+                    break
+                end += 1
+        # Each sliding group: the last end at or before `end` where the blocks its window needs are
+        # cached; the groups agree once none moves it further back.
+        moved = True
+        while moved and end > 0:
+            moved = False
+            for group, window in self.sliding_groups:
+                group_end = self._sliding_hit_end(hashes, group, window, end)
+                if group_end < end:
+                    end, moved = group_end, True
+        if end == 0:
+            return [], 0
+        blocks: list[KVCacheBlock] = []
+        for group, group_window in enumerate(self.group_windows):
+            first = 0 if group_window is None else max(0, end - self._window_blocks(group_window))
+            blocks.extend([NULL_BLOCK] * first)
+            blocks.extend(cached[_group_key(block_hash, group)] for block_hash in hashes[first:end])
+        return blocks, end * self.block_size
+
+    def _window_blocks(self, window: int) -> int:
+        """Blocks before a block boundary that the window of the token right after it can reach."""
+        return -(-(window - 1) // self.block_size)
+
+    def _sliding_hit_end(self, hashes: list[bytes], group: int, window: int, end: int) -> int:
+        """The largest e <= end such that group `group` has cached the blocks before e that the window of
+        position e * block_size reaches (vLLM's right-to-left scan for a run of cached blocks)."""
+        cached = self.block_pool.cached_block_hash_to_block
+        need = self._window_blocks(window)
+        run = 0
+        for index in range(end - 1, -1, -1):
+            if _group_key(hashes[index], group) in cached:
+                run += 1
+                if run >= need:
+                    return index + run
+            else:
+                run = 0
+        return run  # blocks [0, run) are cached, and the window at run reaches no further back
 
     def allocate_slots(
         self,
@@ -298,39 +398,48 @@ class KVCacheManager:
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Grow the request's block table to hold its computed tokens, the prefix hit and
+        """Grow the request's block tables to hold its computed tokens, the prefix hit and
         `num_new_tokens` more; return the newly allocated blocks.
 
-        All or nothing: None, and nothing changed, when the free queue cannot supply the blocks. On
+        First a sliding group drops the blocks wholly before the window of the next token to compute.
+        All or nothing: None, and nothing else changed, when the free queue cannot supply the blocks. On
         success the prefix-hit blocks gain a reference, and every block that the scheduled tokens fill
         becomes a prefix-cache entry.
         """
         request_id = request.request_id
         computed = new_computed_blocks or []
-        blocks = self.req_to_blocks.get(request_id)
-        num_held = 0 if blocks is None else len(blocks)
+        tables = self.req_to_blocks.get(request_id)
+        if tables is not None and self.sliding_groups:
+            self._drop_blocks_before_window(request_id, tables, request.num_computed_tokens)
+        num_held = 0 if tables is None else len(tables[0])
+        num_hit = len(computed) // self.num_groups
         num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_new_blocks = -(-num_tokens_after // self.block_size) - num_held - len(computed)
+        num_new_blocks = -(-num_tokens_after // self.block_size) - num_held - num_hit
         if num_new_blocks > 0:
             # Free prefix hits sit in the free queue too, but must not be handed out as new blocks.
-            num_free_hits = sum(1 for block in computed if block.ref_cnt == 0) if computed else 0
-            if num_new_blocks > self.block_pool.num_free_blocks - num_free_hits:
+            num_free_hits = sum(1 for block in computed if block.ref_cnt == 0 and block is not NULL_BLOCK)
+            if num_new_blocks * self.num_groups > self.block_pool.num_free_blocks - num_free_hits:
                 return None
 
-        if blocks is None:
-            blocks = self.req_to_blocks[request_id] = []
-            self.req_to_block_ids[request_id] = []
+        if tables is None:
+            tables = self.req_to_blocks[request_id] = [[] for _ in range(self.num_groups)]
+            self.req_to_block_ids[request_id] = [[] for _ in range(self.num_groups)]
             self.num_cached_blocks[request_id] = 0
+        id_tables = self.req_to_block_ids[request_id]
         if computed:
-            self.block_pool.touch(computed)
-            blocks.extend(computed)
-            self.req_to_block_ids[request_id].extend([block.block_id for block in computed])
-            self.num_cached_blocks[request_id] = len(blocks)
+            self.block_pool.touch(block for block in computed if block is not NULL_BLOCK)
+            for group in range(self.num_groups):
+                hits = computed[group * num_hit : (group + 1) * num_hit]
+                tables[group].extend(hits)
+                id_tables[group].extend([block.block_id for block in hits])
+            self.num_cached_blocks[request_id] = len(tables[0])
         new_blocks: list[KVCacheBlock] = []
         if num_new_blocks > 0:
-            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-            blocks.extend(new_blocks)
-            self.req_to_block_ids[request_id].extend([block.block_id for block in new_blocks])
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks * self.num_groups)
+            for group in range(self.num_groups):
+                mine = new_blocks[group * num_new_blocks : (group + 1) * num_new_blocks]
+                tables[group].extend(mine)
+                id_tables[group].extend([block.block_id for block in mine])
 
         if self.enable_caching:
             if new_computed_blocks is not None and not request.skips_prefix_cache:
@@ -339,52 +448,97 @@ class KVCacheManager:
                 self.prefix_cache_hits += num_new_computed_tokens
             num_full_blocks = min(num_tokens_after, request.num_tokens) // self.block_size
             if num_full_blocks > self.num_cached_blocks[request_id] and not request.skips_prefix_cache:
-                self._cache_full_blocks(request, blocks, num_full_blocks)
+                self._cache_full_blocks(request, tables, num_full_blocks)
         return new_blocks
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_full_blocks: int) -> None:
+    def _drop_blocks_before_window(
+        self, request_id: str, tables: list[list[KVCacheBlock]], num_computed_tokens: int
+    ) -> None:
+        """Each sliding group gives back the blocks wholly before the window of position
+        num_computed_tokens (the next token to compute): oldest first into the free queue, keeping their
+        prefix-cache entries; NULL_BLOCK takes their place in the table."""
+        id_tables = self.req_to_block_ids[request_id]
+        for group, window in self.sliding_groups:
+            end = max(0, num_computed_tokens - window + 1) // self.block_size
+            table = tables[group]
+            start = end
+            while start > 0 and table[start - 1] is not NULL_BLOCK:
+                start -= 1
+            if start == end:
+                continue
+            dropped = table[start:end]
+            table[start:end] = [NULL_BLOCK] * (end - start)
+            id_tables[group][start:end] = [NULL_BLOCK.block_id] * (end - start)
+            self.block_pool.free_blocks(dropped)
+
+    def _cache_full_blocks(
+        self, request: Request, tables: list[list[KVCacheBlock]], num_full_blocks: int
+    ) -> None:
         # Cached now, before the step runs: a request scheduled later in the same step may hit these
         # blocks, which is sound because each layer writes the whole batch's KV before attending.
         update_block_hashes(request, self.block_size)
         num_cached = self.num_cached_blocks[request.request_id]
-        self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full_blocks)
+        hashes = request.block_hashes
+        if self.num_groups == 1:
+            self.block_pool.cache_full_blocks(tables[0], hashes, num_cached, num_full_blocks)
+        else:
+            for group, table in enumerate(tables):
+                keys = [_group_key(h, group) for h in hashes[num_cached:num_full_blocks]]
+                self.block_pool.cache_full_blocks(table[num_cached:num_full_blocks], keys, 0, len(keys))
         self.num_cached_blocks[request.request_id] = num_full_blocks
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first so that sequence ends are evicted before prefixes."""
-        blocks = self.req_to_blocks.pop(request.request_id, None)
+        """Release the request's blocks, tail first so that sequence ends are evicted before prefixes
+        (the groups' blocks interleaved by position)."""
+        tables = self.req_to_blocks.pop(request.request_id, None)
         self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
-        if not blocks:
+        if not tables or not tables[0]:
             return
         # allocate_slots caches blocks before the step computes them. A request preempted in the step
         # that scheduled it never computes them, so their entries must go: a hit would read garbage.
-        for block in blocks[request.num_computed_tokens // self.block_size :]:
-            self.block_pool.evict(block)
-        self.block_pool.free_blocks(reversed(blocks))
+        first_uncomputed = request.num_computed_tokens // self.block_size
+        for table in tables:
+            for block in table[first_uncomputed:]:
+                self.block_pool.evict(block)
+        if self.num_groups == 1 and not self.sliding_groups:
+            self.block_pool.free_blocks(reversed(tables[0]))
+            return
+        self.block_pool.free_blocks(
+            table[index]
+            for index in range(len(tables[0]) - 1, -1, -1)
+            for table in tables
+            if table[index] is not NULL_BLOCK
+        )
 
     def trim(self, request: Request) -> None:
         """Free the blocks past those `request.num_tokens` needs: a speculative step allocated slots for
         its draft tokens, and the rejected ones' blocks hold nothing the request will keep. They were
         never prefix-cache entries (a block is cached only once known tokens fill it, and draft tokens
         are not known tokens); any entry is dropped all the same before the block goes back."""
-        blocks = self.req_to_blocks.get(request.request_id)
-        if not blocks:
+        tables = self.req_to_blocks.get(request.request_id)
+        if not tables:
             return
         keep = -(-request.num_tokens // self.block_size)
-        if len(blocks) <= keep:
+        if len(tables[0]) <= keep:
             return
-        unused = blocks[keep:]
-        del blocks[keep:]
-        del self.req_to_block_ids[request.request_id][keep:]
         self.num_cached_blocks[request.request_id] = min(self.num_cached_blocks[request.request_id], keep)
-        for block in unused:
-            self.block_pool.evict(block)
-        self.block_pool.free_blocks(reversed(unused))
+        for table, ids in zip(tables, self.req_to_block_ids[request.request_id], strict=True):
+            unused = table[keep:]
+            del table[keep:]
+            del ids[keep:]
+            for block in unused:
+                self.block_pool.evict(block)
+            self.block_pool.free_blocks(reversed(unused))
+
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block table of every group (live lists, not copies: read them, never mutate)."""
+        return self.req_to_block_ids.get(request_id, [])
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table: the live list, not a copy. Read it; never mutate it."""
-        return self.req_to_block_ids.get(request_id, [])
+        """The request's block table of group 0: the live list, not a copy. Read it; never mutate it."""
+        tables = self.req_to_block_ids.get(request_id)
+        return tables[0] if tables else []
 
     def reset_prefix_cache(self) -> bool:
         """Forget every prefix-cache entry; False (and nothing changed) while any block is in use."""
@@ -431,11 +585,28 @@ class KVCacheManager:
         _check(len(free_ids) == pool.num_free_blocks, "free queue length differs from its counter")
 
         ref_cnts = [0] * self.num_blocks
-        for request_id, blocks in self.req_to_blocks.items():
-            ids = [block.block_id for block in blocks]
-            _check(len(set(ids)) == len(ids), f"request {request_id} holds a block twice: {ids}")
-            _check(ids == self.req_to_block_ids[request_id], f"request {request_id}: stale block ids")
-            for block_id in ids:
+        for request_id, tables in self.req_to_blocks.items():
+            _check(len(tables) == self.num_groups, f"request {request_id}: {len(tables)} block tables")
+            _check(
+                len({len(t) for t in tables}) == 1, f"request {request_id}: block tables of unequal length"
+            )
+            all_ids = [block.block_id for table in tables for block in table if block is not NULL_BLOCK]
+            _check(len(set(all_ids)) == len(all_ids), f"request {request_id} holds a block twice: {all_ids}")
+            for group, table in enumerate(tables):
+                ids = [block.block_id for block in table]
+                _check(
+                    ids == self.req_to_block_ids[request_id][group], f"request {request_id}: stale block ids"
+                )
+                nulls = sum(1 for block in table if block is NULL_BLOCK)
+                _check(
+                    nulls == 0
+                    or (
+                        self.group_windows[group] is not None
+                        and all(block is NULL_BLOCK for block in table[:nulls])
+                    ),
+                    f"request {request_id}: group {group} has a null block that is not a leading one",
+                )
+            for block_id in all_ids:
                 ref_cnts[block_id] += 1
         for block in pool.blocks:
             _check(block.ref_cnt >= 0, f"block {block.block_id} has negative ref_cnt {block.ref_cnt}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -13,8 +14,9 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 
-from izh.config import EngineConfig, lora_enabled
+from izh.config import CUDA_BATCHED_TOKENS, EngineConfig, default_batched_tokens, lora_enabled
 from izh.engine.guided import GrammarManager, apply_bitmask
+from izh.engine.kv_cache import blocks_per_request
 from izh.engine.lora_manager import LoraManager
 from izh.engine.sampler import (
     Sampler,
@@ -40,6 +42,7 @@ from izh.model.packing import pack_model_weights, resolve_quantization
 from izh.model.parallel import check_tensor_parallel
 from izh.model.parallel import compute_logits as parallel_logits
 from izh.model.pooling import PoolingConfig, pool, resolve_pooling
+from izh.model.sliding_window import KVCacheLayout
 from izh.pooling_params import PoolingParams
 from izh.sampling_params import SamplingParams
 
@@ -190,6 +193,14 @@ class ModelRunner:
         limit_rope_positions(self.model, self.max_model_len)
         self.block_size = config.block_size
         self.vocab_size = self.model_config.vocab_size
+        self.max_num_batched_tokens = config.max_num_batched_tokens or (
+            # An encoder has no decode streams whose inter-token gap a long step would stretch: its
+            # default budget is the throughput one (32 inputs of 64 tokens in one forward).
+            CUDA_BATCHED_TOKENS if self.is_encoder else default_batched_tokens(self.device.type)
+        )
+        self.kv_layout = self._resolve_kv_layout()
+        """The KV cache groups (izh.model.sliding_window): sliding-window layers in their own groups,
+        whose blocks the KV cache manager frees once the window has passed them."""
         self.num_blocks = self._resolve_num_blocks()
         if self.tp_runtime is not None:
             mc = self.model_config
@@ -286,7 +297,7 @@ class ModelRunner:
             hidden = self.model(ids, positions, meta)
             self.model.compute_logits(hidden[-1:], out=logits)
         index = torch.tensor(blocks, dtype=torch.long, device=dev)
-        for cache in self.kv_caches:
+        for cache in {id(cache): cache for cache in self.kv_caches}.values():  # a shared one once
             cache.index_fill_(1, index, 0.0)
 
     @staticmethod
@@ -329,15 +340,18 @@ class ModelRunner:
             logger.warning("triton is not installed: attention runs in plain torch (pip install 'izh[gpu]')")
         return "torch_paged"
 
-    def _make_graph_runner(self) -> DecodeGraphRunner | None:
+    def _uses_cuda_graphs(self) -> bool:
         """CUDA graphs for decode batches: on CUDA with the (graph-safe) Triton backend, unless eager."""
-        if (
-            self.device.type != "cuda"
-            or self.tp_runtime is not None
-            or self.is_encoder
-            or self.config.enforce_eager
-            or self.attention_backend != "triton_paged"
-        ):
+        return (
+            self.device.type == "cuda"
+            and self.tp_runtime is None
+            and not self.is_encoder
+            and not self.config.enforce_eager
+            and self._resolve_attention_backend(self.config.attention_backend) == "triton_paged"
+        )
+
+    def _make_graph_runner(self) -> DecodeGraphRunner | None:
+        if not self._uses_cuda_graphs():
             return None
         from izh.engine.cuda_graphs import DecodeGraphRunner
 
@@ -365,10 +379,31 @@ class ModelRunner:
         world = self.tp_runtime.tp.world_size if self.tp_runtime is not None else 1
         return self.model_config.num_key_value_heads // world
 
+    def _resolve_kv_layout(self) -> KVCacheLayout:
+        """The model's KV cache groups; one group of full attention for an encoder, under tensor
+        parallelism (the step plan carries one block table) and on CUDA graphs (captured with one)."""
+        num_layers = self.model_config.num_hidden_layers
+        if self.is_encoder or self.tp_runtime is not None:
+            return KVCacheLayout.single(num_layers)
+        layout = self.model.kv_cache_layout()
+        if layout.windows != (None,) and self._uses_cuda_graphs():
+            logger.info(
+                "sliding-window blocks are kept (not freed) with CUDA graphs; --enforce-eager frees them"
+            )
+            return KVCacheLayout.single(num_layers)
+        return layout
+
+    @property
+    def kv_group_windows(self) -> tuple[int | None, ...]:
+        """Per KV cache group, its sliding window (None: full attention), for the KV cache manager."""
+        return self.kv_layout.windows
+
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one block: block_size tokens of K and V in each of the layout's cache tensors."""
         mc = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * mc.num_hidden_layers * self.block_size * self.num_local_kv_heads * mc.head_dim * elem
+        tensors = self.kv_layout.num_tensors
+        return 2 * tensors * self.block_size * self.num_local_kv_heads * mc.head_dim * elem
 
     def _resolve_num_blocks(self) -> int:
         per_block = self.kv_bytes_per_block()
@@ -378,8 +413,11 @@ class ModelRunner:
             if self.device.type == "cpu":
                 # CPU RAM is shared with everything else on the host (vLLM's CPU default is 4 GiB too).
                 budget = min(budget, CPU_DEFAULT_KV_CACHE_BYTES)
-        # More blocks than every sequence at full length could use is wasted memory.
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        # More blocks than every sequence at full length could use is wasted memory. A sliding group
+        # holds at most its window (and a step's tokens), whatever the length: izh.engine.kv_cache.
+        blocks_per_seq = blocks_per_request(
+            self.kv_layout.windows, self.block_size, self.max_model_len, self.max_num_batched_tokens
+        )
         useful = blocks_per_seq * self.config.max_num_seqs
         num_blocks = min(budget // per_block, useful)
         if self.is_encoder:
@@ -394,11 +432,17 @@ class ModelRunner:
         return int(num_blocks)
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
+        """One cache per layer: the layout's tensors, each shared by the layers at that index of every
+        group (a block belongs to one group at a time)."""
         mc = self.model_config
         shape = (2, self.num_blocks, self.block_size, self.num_local_kv_heads, mc.head_dim)
         # Zeroed, not empty: masked-out slots still flow through the attention matmul, and garbage
         # (NaN) there would poison the result even with a zero weight.
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)]
+        tensors = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.kv_layout.num_tensors)
+        ]
+        return [tensors[index] for index in self.kv_layout.layer_tensors]
 
     # --- one step -------------------------------------------------------------------------------
 
@@ -644,23 +688,38 @@ class ModelRunner:
             query_start_loc[:-1] - starts, query_lens
         )
 
-        max_blocks = max(len(s.block_ids) for s in scheduled)
-        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
-        for i, s in enumerate(pieces):
-            block_tables[i, : len(s.block_ids)] = s.block_ids
-        slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
-
         dev = self.device
-        attn_metadata = AttentionMetadata(
-            query_start_loc=to_device(torch.from_numpy(query_start_loc.astype(np.int32)), dev),
-            seq_lens=to_device(torch.from_numpy(seq_lens.astype(np.int32)), dev),
-            slot_mapping=to_device(torch.from_numpy(slot_mapping), dev),
-            block_tables=to_device(torch.from_numpy(block_tables.astype(np.int32)), dev),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_lens_list=query_lens.tolist(),
-            seq_lens_list=seq_lens.tolist(),
-        )
+        max_blocks = max(len(s.block_ids) for s in scheduled)
+        query_start = to_device(torch.from_numpy(query_start_loc.astype(np.int32)), dev)
+        seq_lens_dev = to_device(torch.from_numpy(seq_lens.astype(np.int32)), dev)
+        query_lens_list, seq_lens_list = query_lens.tolist(), seq_lens.tolist()
+        block_offsets = positions // bs
+        slot_offsets = positions % bs
+
+        def group_metadata(group: int | None) -> AttentionMetadata:
+            # group None: the one block table every layer reads
+            block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
+            for i, s in enumerate(pieces):
+                ids = s.block_ids if group is None else s.group_block_ids[group]
+                block_tables[i, : len(ids)] = ids
+            slot_mapping = block_tables[seq_index, block_offsets] * bs + slot_offsets
+            return AttentionMetadata(
+                query_start_loc=query_start,
+                seq_lens=seq_lens_dev,
+                slot_mapping=to_device(torch.from_numpy(slot_mapping), dev),
+                block_tables=to_device(torch.from_numpy(block_tables.astype(np.int32)), dev),
+                max_query_len=int(query_lens.max()),
+                max_seq_len=int(seq_lens.max()),
+                query_lens_list=query_lens_list,
+                seq_lens_list=seq_lens_list,
+            )
+
+        num_groups = len(self.kv_layout.windows)
+        if num_groups == 1:
+            attn_metadata = group_metadata(None)
+        else:
+            groups = tuple(group_metadata(g) for g in range(num_groups))
+            attn_metadata = dataclasses.replace(groups[0], groups=groups)
         input_ids = to_device(torch.tensor(token_ids, dtype=torch.long), dev)
         return input_ids, to_device(torch.from_numpy(positions), dev), attn_metadata
 

@@ -68,13 +68,17 @@ class ScheduledRequest:
     """The request's num_computed_tokens when scheduled: the scheduled tokens sit at positions
     [num_computed_tokens_before, num_computed_tokens_before + num_scheduled_tokens)."""
     block_ids: list[int]
-    """The request's whole block table (the KV manager's live list: read it, never mutate it)."""
+    """The request's whole block table (the KV manager's live list: read it, never mutate it); with
+    several KV cache groups, group 0's."""
     samples: bool
     """True when this step computes the last known token, so the step samples a new one (never for a
     prompt-only request: its step that computes the last prompt token finishes it instead)."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft tokens verified in this step: they follow the last known token, so the step computes
     1 + len(spec_token_ids) tokens (num_scheduled_tokens) and samples at each of those positions."""
+    group_block_ids: list[list[int]] = field(default_factory=list)
+    """Every KV cache group's block table (live lists; block_ids is the first), -1 where a sliding
+    window's group dropped a block."""
 
 
 @dataclass(slots=True)
@@ -166,10 +170,13 @@ class Scheduler:
                 f"need max_num_batched_tokens >= 1, max_num_seqs >= 1, max_model_len >= 2; got "
                 f"{max_num_batched_tokens}, {max_num_seqs}, {max_model_len}"
             )
-        capacity = kv_cache_manager.num_blocks * kv_cache_manager.block_size
-        if capacity < max_model_len:
+        needed = kv_cache_manager.max_blocks_per_request(max_model_len, max_num_batched_tokens)
+        if needed > kv_cache_manager.num_blocks:
             # A request alone must always fit, or it would preempt itself forever.
-            raise ValueError(f"the KV cache holds {capacity} tokens, less than max_model_len {max_model_len}")
+            raise ValueError(
+                f"the KV cache has {kv_cache_manager.num_blocks} blocks, less than the {needed} one request "
+                f"of max_model_len {max_model_len} may hold"
+            )
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -364,6 +371,7 @@ class Scheduler:
                 num_scheduled_tokens=num_new_tokens,
                 num_computed_tokens_before=num_computed,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                group_block_ids=self.kv_cache_manager.get_group_block_ids(request.request_id),
                 samples=num_computed + num_known == request.num_tokens and not request.is_prompt_only,
                 spec_token_ids=spec_token_ids or [],
             )

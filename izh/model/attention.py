@@ -45,6 +45,11 @@ class AttentionMetadata:
     """Host copy of the query lengths; None derives it from query_start_loc (one device sync)."""
     seq_lens_list: list[int] | None = None
     """Host copy of seq_lens; None derives it from seq_lens (one device sync)."""
+    groups: tuple[AttentionMetadata, ...] = ()
+    """With several KV cache groups (a model whose sliding-window and global layers keep their blocks
+    apart, izh.model.sliding_window.KVCacheLayout): per group, the metadata of its layers (the same
+    queries and lengths, the group's block tables and slots); this object is then group 0's. Empty: one
+    group, this one."""
     derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -241,6 +246,54 @@ class PagedTorchAttentionBackend(AttentionBackend):
 
     name = "torch_paged"
 
+    @staticmethod
+    def runs_c_kernels(kv_cache: Tensor) -> bool:
+        """Whether attention over this cache runs izh's C kernels (which also take a sliding window)."""
+        return kv_cache.is_cpu and cpu_ops.available() and kv_cache.dtype in _FUSED_CPU_DTYPES
+
+    def windowed(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        attn_metadata: AttentionMetadata,
+        scale: float,
+        window: int,
+        softcap: float = 0.0,
+    ) -> Tensor:
+        """As `forward` through the C kernels (`runs_c_kernels` must hold), each token attending to its
+        last `window` positions only (all of them with window 0), its scores soft-capped when softcap > 0
+        (Gemma 2): batch- and chunking-invariant as without either, and reading no block before the
+        window (its block-table entries may be -1, blocks already freed)."""
+        if attn_metadata.max_query_len == 1:
+            return cpu_ops.paged_decode_attention(
+                query,
+                key,
+                value,
+                kv_cache,
+                attn_metadata.slot_mapping,
+                attn_metadata.block_tables,
+                attn_metadata.seq_lens,
+                scale,
+                window,
+                softcap,
+            )
+        row_seq, row_lens = _token_rows(attn_metadata)
+        return cpu_ops.paged_attention(
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata.slot_mapping,
+            attn_metadata.block_tables,
+            row_seq,
+            row_lens,
+            scale,
+            window,
+            softcap,
+        )
+
     def forward(
         self,
         query: Tensor,
@@ -252,7 +305,7 @@ class PagedTorchAttentionBackend(AttentionBackend):
     ) -> Tensor:
         if kv_cache is None:
             raise ValueError("the paged backend needs a bound KV cache")
-        fused = kv_cache.is_cpu and cpu_ops.available() and kv_cache.dtype in _FUSED_CPU_DTYPES
+        fused = self.runs_c_kernels(kv_cache)
         if fused and attn_metadata.max_query_len == 1:
             # Decodes only: one C kernel writes the new K/V and attends straight from the blocks.
             return cpu_ops.paged_decode_attention(

@@ -142,6 +142,9 @@ class ModelConfig:
     """Logits become cap * tanh(logit / cap) when set (Gemma 2)."""
     moe: MoeConfig | None = None
     """A mixture-of-experts model's routing and expert shape (Qwen3-MoE, Mixtral); None when dense."""
+    rotary_dim: int = 0
+    """RoPE rotates the first rotary_dim dimensions of each head, the rest pass through (Phi-4-mini's
+    partial_rotary_factor 0.75); 0: the whole head."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -151,7 +154,16 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise ModelLoadError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rotary_dim and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ModelLoadError(
+                f"rotary_dim {self.rotary_dim} must be even and within head_dim {self.head_dim}"
+            )
         _check_rope_scaling(self.rope_scaling)
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions of each head RoPE rotates (its leading ones)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def num_query_groups(self) -> int:
@@ -169,9 +181,18 @@ class ModelConfig:
         if architecture in GEMMA_ARCHITECTURES:
             return cls._from_hf_gemma_config(d, architecture)
         if architecture in ("mistral", "phi3"):
-            base = cls.from_hf_config({**d, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
-            window = d.get("sliding_window")
-            return replace(base, architecture=architecture, sliding_window=int(window) if window else None)
+            llama = {**d, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+            partial = float(d.get("partial_rotary_factor", 1.0))
+            if architecture == "phi3":
+                llama.pop("partial_rotary_factor", None)  # Phi-4-mini rotates 3/4 of each head
+            base = cls.from_hf_config(llama)
+            rotary_dim = int(base.head_dim * partial) if architecture == "phi3" and partial != 1.0 else 0
+            return replace(
+                base,
+                architecture=architecture,
+                sliding_window=_window_within(d.get("sliding_window"), base.max_position_embeddings),
+                rotary_dim=rotary_dim,
+            )
         _reject_unsupported_hf_features(d)
         try:
             hidden_size = int(d["hidden_size"])
@@ -360,9 +381,17 @@ class ModelConfig:
         )
         if arch in GEMMA_ARCHITECTURES:
             return _gguf_gemma(config, metadata)
+        rope_dims = metadata.get(f"{arch}.rope.dimension_count")
+        if rope_dims is not None and int(rope_dims) != head_dim:
+            if arch != "phi3":
+                raise UnsupportedModel(
+                    f"{arch}.rope.dimension_count {rope_dims} differs from the head size {head_dim}: partial "
+                    "rotary embeddings are served for phi3 (Phi-4-mini) only"
+                )
+            config = replace(config, rotary_dim=int(rope_dims))
         if arch == "phi3":
             window = metadata.get("phi3.attention.sliding_window")
-            return replace(config, sliding_window=int(window) if window else None)
+            return replace(config, sliding_window=_window_within(window, config.max_position_embeddings))
         return config
 
 
@@ -386,6 +415,14 @@ def with_gguf_longrope(
     if attn_factor is not None:
         scaling["attention_factor"] = float(attn_factor)
     return replace(config, rope_scaling=scaling)
+
+
+def _window_within(window: Any, max_positions: int) -> int | None:
+    """A sliding window that can matter: None when unset or at least the context (Phi-4-mini sets
+    262144 for a 131072-token context), so such a model attends, and caches, as one without."""
+    if not window or int(window) >= max_positions:
+        return None
+    return int(window)
 
 
 def _gguf_gemma(config: ModelConfig, metadata: Mapping[str, Any]) -> ModelConfig:

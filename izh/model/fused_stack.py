@@ -81,7 +81,10 @@ class FusedDecodeStack:
     ) -> FusedDecodeStack | None:
         """The stack for a model's `layers` (in order) and final norm weight, or None when it cannot run
         fused: not a float32 or bfloat16 CPU model, no C kernels for its dtype here, per-head q/k norms, a
-        linear without izh's records (or, in float32, GGUF blocks), or no bound KV cache."""
+        linear without izh's records (or, in float32, GGUF blocks), no bound KV cache, or a partial rotary
+        (its RoPE rotates whole heads)."""
+        if config.rope_dim != config.head_dim:
+            return None
         if dtype == torch.float32:
             kernels = cpu_ops.records_f32_available()
         else:

@@ -8,8 +8,10 @@ query scale is query_pre_attn_scalar**-0.5; sliding-window and global layers alt
 soft-caps attention scores and logits; Gemma 3 has per-head q/k norms and a separate RoPE base for
 its local layers.
 
-Attention goes through izh.model.sliding_window's WindowedBackend: the engine's backend whenever that
-is exact, else a torch path reading only the window's slots. The fused C decode stack is Llama-shaped and not used (the module path runs
+Attention goes through izh.model.sliding_window's WindowedBackend: the C paged kernel with the window
+and the soft-cap on a CPU, elsewhere the engine's backend whenever that is exact, else a torch path reading only the
+window's slots. The sliding and global layers keep their KV in separate cache groups
+(`KVCacheLayout.for_layers`), so the engine frees the sliding layers' blocks past their window. The fused C decode stack is Llama-shaped and not used (the module path runs
 with packed linears).
 """
 
@@ -26,7 +28,7 @@ from izh.model.attention import AttentionBackend, AttentionMetadata
 from izh.model.config import ModelConfig
 from izh.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabEmbedding
 from izh.model.llama import DecoderAttention, LlamaForCausalLM
-from izh.model.sliding_window import WindowedBackend
+from izh.model.sliding_window import KVCacheLayout, WindowedBackend
 from izh.model.weights import CheckpointTensor
 
 
@@ -46,7 +48,7 @@ class GemmaAttention(DecoderAttention):
         self.scale = config.query_pre_attn_scalar**-0.5 if config.query_pre_attn_scalar else self.scale
         self.sliding_window = config.sliding_window if sliding else None
         self.softcap = config.attn_logit_softcapping
-        self._backend = WindowedBackend(self.sliding_window, self.softcap)
+        self.window_backend = WindowedBackend(self.sliding_window, self.softcap)
 
     def forward(
         self,
@@ -55,8 +57,8 @@ class GemmaAttention(DecoderAttention):
         attn_metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> Tensor:
-        self._backend.inner = backend
-        return super().forward(hidden_states, cos_sin, attn_metadata, self._backend)
+        self.window_backend.inner = backend
+        return super().forward(hidden_states, cos_sin, attn_metadata, self.window_backend)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -103,6 +105,13 @@ class GemmaDecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         # transformers rounds sqrt(hidden) to the model's dtype before multiplying.
         self.embed_scale = float(torch.tensor(config.hidden_size**0.5, dtype=dtype))
+        self.kv_layout = KVCacheLayout.for_layers(
+            [cast(GemmaDecoderLayer, layer).self_attn.sliding_window for layer in self.layers]
+        )
+        """Sliding-window and global layers in separate KV cache groups, so the sliding ones free the
+        blocks their window has left; each layer's backend reads its group's metadata."""
+        for layer, group in zip(self.layers, self.kv_layout.layer_groups, strict=True):
+            cast(GemmaDecoderLayer, layer).self_attn.window_backend.kv_group = group
 
     def forward(
         self,
@@ -153,6 +162,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         backend = self.paged_backend if self._kv_caches_bound else self.reference_backend
         model = cast(GemmaDecoderModel, self.model)
         return model(input_ids, (global_cos_sin, local_cos_sin), attn_metadata, backend, inputs_embeds)
+
+    def kv_cache_layout(self) -> KVCacheLayout:
+        return cast(GemmaDecoderModel, self.model).kv_layout
 
     def prepare_fused_decode(self) -> bool:
         """The fused C stack runs Llama's layer; Gemma's decode runs the modules (packed linears)."""

@@ -29,6 +29,7 @@ from izh.model.layers import (
 )
 from izh.model.lora import LoraModel
 from izh.model.packed import PackedWeight
+from izh.model.sliding_window import KVCacheLayout
 
 
 class DecoderAttention(nn.Module):
@@ -39,6 +40,8 @@ class DecoderAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.rope_dim = config.rope_dim
+        """RoPE rotates each head's first rope_dim dimensions (all but for a partial rotary model)."""
         self.scale = config.head_dim**-0.5
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -64,14 +67,16 @@ class DecoderAttention(nn.Module):
         num_tokens = hidden_states.shape[0]
         h, kvh = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(hidden_states).view(num_tokens, h + 2 * kvh, self.head_dim)
+        rot = self.rope_dim
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(qkv[:, :h])
             k = self.k_norm(qkv[:, h : h + kvh])
-            apply_rotary_(q, cos_sin)
-            apply_rotary_(k, cos_sin)
+            apply_rotary_(q[..., :rot], cos_sin)
+            apply_rotary_(k[..., :rot], cos_sin)
         else:
-            # One in-place rotation of q and k together, inside the fresh qkv buffer.
-            apply_rotary_(qkv[:, : h + kvh], cos_sin)
+            # One in-place rotation of q and k together, inside the fresh qkv buffer (of each head's
+            # first rope_dim dimensions: a strided view when the rotary is partial).
+            apply_rotary_(qkv[:, : h + kvh, :rot], cos_sin)
             q, k = qkv[:, :h], qkv[:, h : h + kvh]
         v = qkv[:, h + kvh :]
         out = backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale)  # [num_tokens, h, d]
@@ -156,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
             else Linear(config.hidden_size, (config.vocab_size,), bias=False, dtype=dtype)
         )
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim,
+            config.rope_dim,
             config.max_position_embeddings,
             config.rope_theta,
             config.rope_scaling,
@@ -251,6 +256,11 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[DecoderAttention]:
         """The attention module of every layer, in order."""
         return [cast(DecoderAttention, layer.self_attn) for layer in self.model.layers]
+
+    def kv_cache_layout(self) -> KVCacheLayout:
+        """The KV cache groups of this model's layers (izh.model.sliding_window): one group of full
+        attention here; a model with sliding-window layers says which layers see which window."""
+        return KVCacheLayout.single(len(self.model.layers))
 
     def bind_kv_caches(self, kv_caches: list[Tensor] | None) -> None:
         """Give each layer its cache [2, num_blocks, block_size, num_kv_heads, head_dim] (None unbinds).

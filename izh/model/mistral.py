@@ -9,7 +9,7 @@ from torch import Tensor
 from izh.model.attention import AttentionMetadata
 from izh.model.config import ModelConfig
 from izh.model.llama import LlamaForCausalLM
-from izh.model.sliding_window import WindowedBackend
+from izh.model.sliding_window import KVCacheLayout, WindowedBackend
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -32,6 +32,10 @@ class MistralForCausalLM(LlamaForCausalLM):
         windowed.inner = self.paged_backend if self._kv_caches_bound else self.reference_backend
         cos_sin = self.rotary_emb(positions)
         return self.model(input_ids, cos_sin, attn_metadata, windowed, inputs_embeds)
+
+    def kv_cache_layout(self) -> KVCacheLayout:
+        """One group: every layer sees the window (when the config sets one)."""
+        return KVCacheLayout.single(len(self.model.layers), self.config.sliding_window)
 
     def prepare_fused_decode(self) -> bool:
         """The fused C stack attends over the whole context: only without a window."""

@@ -1,6 +1,8 @@
-"""Phi-3 / Phi-3.5 mini: the Llama decoder with fused checkpoint projections (qkv_proj, gate_up_proj,
-split here into the shards izh packs), LongRoPE scaling (izh.model.layers) and, where the config sets
-one, a sliding window over every layer (as Mistral's)."""
+"""Phi-3 / Phi-3.5 mini and Phi-4-mini: the Llama decoder with fused checkpoint projections (qkv_proj,
+gate_up_proj, split here into the shards izh packs), LongRoPE scaling (izh.model.layers), where the
+config sets one a sliding window over every layer (as Mistral's), and Phi-4-mini's partial rotary
+(`partial_rotary_factor`, GGUF `phi3.rope.dimension_count`: RoPE over each head's first rotary_dim
+dimensions, izh.model.llama.DecoderAttention) with tied embeddings."""
 
 from __future__ import annotations
 

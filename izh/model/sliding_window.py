@@ -1,30 +1,85 @@
-"""Sliding-window (and soft-capped) attention on top of any attention backend.
+"""Sliding-window (and soft-capped) attention on top of any attention backend, and the KV cache layout
+that lets sliding-window layers free the blocks their window has left.
 
-A sliding-window layer's query at position p sees the keys at (p - window, p]. While no sequence in a
-step is longer than the window every key lies inside it, so the engine's own backend (the paged C
-decode kernel included) is exact and runs; past it, or with Gemma 2's score soft-capping,
-`windowed_attention` runs the step in torch, reading only the slots inside each sequence's window from
-the paged cache (so blocks before the window are never read). Used by Gemma 2/3 and Mistral.
+A sliding-window layer's query at position p sees the keys at (p - window, p]. On a CPU with izh's C
+kernels the paged kernel itself takes the window and Gemma 2's score soft-cap (each token computed as a
+decode at its position, so batch- and chunking-invariant). Elsewhere, while no sequence in a step is longer than the window every
+key lies inside it, so the engine's own backend is exact and runs; past it, or with Gemma 2's score
+soft-capping, `windowed_attention` runs the step in torch. Every path reads only the slots inside each
+sequence's window, so the blocks before it may be freed. Used by Gemma 2/3 and Mistral (and Phi-3).
+
+`KVCacheLayout` splits the layers into KV cache groups as vLLM's hybrid KV cache manager does: layers of
+one kind (full attention, or one window) in groups of equal size, each group with its own block table,
+the groups sharing one block pool and the same `num_tensors` cache tensors (layer i of every group uses
+tensor i; a block belongs to one group at a time). The engine's KV cache manager (izh.engine.kv_cache)
+frees a sliding group's blocks once they are wholly before the window, so a long sequence holds the
+global layers' context plus a window's worth of blocks per sliding group.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from izh.model.attention import AttentionBackend, AttentionMetadata
+from izh.model.attention import AttentionBackend, AttentionMetadata, PagedTorchAttentionBackend
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheLayout:
+    """Which KV cache group (block table) and which cache tensor each layer uses."""
+
+    windows: tuple[int | None, ...]
+    """Per group, its layers' sliding window (None: full attention)."""
+    layer_groups: tuple[int, ...]
+    """Per layer, its group."""
+    layer_tensors: tuple[int, ...]
+    """Per layer, its cache tensor: its index within its group."""
+    num_tensors: int
+    """Cache tensors (layers per group); a block holds this many layers' K/V."""
+
+    @classmethod
+    def single(cls, num_layers: int, window: int | None = None) -> KVCacheLayout:
+        """One group of every layer, one tensor per layer (the layout of a model without mixed kinds)."""
+        return cls((window,), (0,) * num_layers, tuple(range(num_layers)), num_layers)
+
+    @classmethod
+    def for_layers(cls, layer_windows: Sequence[int | None]) -> KVCacheLayout:
+        """Groups of equal size (the smallest kind's layer count, as vLLM): full-attention layers first,
+        then each window's, in layer order; a kind whose count the size does not divide ends with a
+        smaller group (its missing layers' memory simply goes unused)."""
+        kinds: dict[int | None, list[int]] = {}
+        for layer, window in enumerate(layer_windows):
+            kinds.setdefault(window, []).append(layer)
+        if len(kinds) <= 1:
+            return cls.single(len(layer_windows), next(iter(kinds), None))
+        size = min(len(layers) for layers in kinds.values())
+        windows: list[int | None] = []
+        groups = [0] * len(layer_windows)
+        tensors = [0] * len(layer_windows)
+        for window in sorted(kinds, key=lambda w: -1 if w is None else w):
+            layers = kinds[window]
+            for start in range(0, len(layers), size):
+                for index, layer in enumerate(layers[start : start + size]):
+                    groups[layer], tensors[layer] = len(windows), index
+                windows.append(window)
+        return cls(tuple(windows), tuple(groups), tuple(tensors), size)
 
 
 class WindowedBackend(AttentionBackend):
-    """The engine's backend when it computes exactly this layer's attention, else windowed_attention."""
+    """This layer's attention (its window, its soft-cap) over the engine's backend, reading its KV cache
+    group's metadata."""
 
     name = "gemma_windowed"
 
-    def __init__(self, window: int | None, softcap: float = 0.0) -> None:
+    def __init__(self, window: int | None, softcap: float = 0.0, kv_group: int = 0) -> None:
         self.window = window
         self.softcap = softcap
+        self.kv_group = kv_group
+        """The layer's KV cache group (KVCacheLayout.layer_groups); used when the metadata has groups."""
         self.inner: AttentionBackend | None = None
         """The engine's backend, set before each forward (it changes when KV caches are bound)."""
 
@@ -39,11 +94,17 @@ class WindowedBackend(AttentionBackend):
     ) -> Tensor:
         inner = self.inner
         assert inner is not None
-        if not self.softcap and (self.window is None or attn_metadata.max_seq_len <= self.window):
-            return inner.forward(query, key, value, kv_cache, attn_metadata, scale)
-        return windowed_attention(
-            query, key, value, kv_cache, attn_metadata, scale, self.window, self.softcap
-        )
+        meta = attn_metadata.groups[self.kv_group] if attn_metadata.groups else attn_metadata
+        if (
+            (self.softcap or self.window is not None)
+            and kv_cache is not None
+            and isinstance(inner, PagedTorchAttentionBackend)
+            and inner.runs_c_kernels(kv_cache)
+        ):
+            return inner.windowed(query, key, value, kv_cache, meta, scale, self.window or 0, self.softcap)
+        if not self.softcap and (self.window is None or meta.max_seq_len <= self.window):
+            return inner.forward(query, key, value, kv_cache, meta, scale)
+        return windowed_attention(query, key, value, kv_cache, meta, scale, self.window, self.softcap)
 
 
 def windowed_attention(

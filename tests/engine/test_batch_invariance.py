@@ -1,8 +1,9 @@
 """Batch invariance on every CPU kernel variant this machine runs: a packed model's logits (GGUF Q4_1 in
-izh's records, or Q5_0 in the file's own blocks) for a request are bit-identical whether it runs alone, in
-a batch of prompts of mixed lengths, with its prompt prefilled in small chunks, after preemption, or from
-the prefix cache (docs/operations.md, "Batch invariance"). The logits are read at the runner (every sampled
-row and every prompt row, float32), not through the sampled tokens alone."""
+izh's records, or Q5_0 in the file's own blocks) for a request (Llama, Qwen2, and Gemma 2 and 3 and Phi-3,
+whose sliding windows free KV blocks) are bit-identical whether it runs alone, in a batch of prompts of mixed
+lengths, with its prompt prefilled in small chunks, after preemption, or from the prefix cache
+(docs/operations.md, "Batch invariance"). The logits are read at the runner (every sampled row and every
+prompt row, float32), not through the sampled tokens alone."""
 
 from __future__ import annotations
 
@@ -120,7 +121,14 @@ def variant(request: pytest.FixtureRequest) -> Iterator[str]:
     ("kind", "qtype"),
     # Q4_1: izh's records; Q5_0: the file's own blocks (their matmuls on the AMX tiles from 16 rows in the
     # amx variant: prefills there, decodes on AVX-512)
-    [("llama", "Q4_1"), ("qwen2", "Q4_1"), ("qwen2", "Q5_0")],
+    [
+        ("llama", "Q4_1"),
+        ("qwen2", "Q4_1"),
+        ("qwen2", "Q5_0"),
+        ("gemma2", "Q4_1"),
+        ("gemma3", "Q4_1"),
+        ("phi3", "Q4_1"),
+    ],
 )
 def test_logits_do_not_depend_on_batch_chunks_preemption_or_prefix_cache(
     variant: str, kind: str, qtype: str, tiny_gguf_factory
@@ -154,9 +162,12 @@ def test_logits_do_not_depend_on_batch_chunks_preemption_or_prefix_cache(
     for i, result in enumerate(rec_chunked.run(chunked, PROMPTS)):
         _assert_same(result, alone[i], f"chunked prefill, prompt {i}")
 
-    # 6 blocks of 16 positions: six prompts growing by 12 tokens cannot all stay, some are recomputed.
+    # Room for one sequence of max_model_len in steps of 16 tokens (6 blocks of 16 positions without a
+    # sliding window; gemma and phi3 window 8 keys, so each sliding group holds at most 3): six prompts
+    # growing by 12 tokens cannot all stay, some are recomputed.
     block_bytes = llm.engine_core.runner.kv_bytes_per_block()
-    small, rec_small = engine(kv_cache_memory_bytes=6 * block_bytes)
+    one_sequence = llm.engine_core.kv_cache_manager.max_blocks_per_request(96, 16)
+    small, rec_small = engine(kv_cache_memory_bytes=one_sequence * block_bytes, max_num_batched_tokens=16)
     for i, result in enumerate(rec_small.run(small, PROMPTS)):
         _assert_same(result, alone[i], f"preempted, prompt {i}")
     assert small.engine_core.make_stats().num_preemptions > 0

@@ -4,6 +4,8 @@ Besides the invariants, a simulated KV cache checks what the blocks would hold: 
 each scheduled position, the token prefix that position's KV depends on, into the slot the block table
 names; then every position a scheduled request attends to must hold its own prefix. That catches a bad
 prefix hit, a block shared while written, a preempted request resuming on someone else's KV, and leaks.
+With KV cache groups (sliding-window ones among them) each group's table is checked alike, a sliding
+group over the positions its window reaches: those must be there and right, the rest may be freed.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from izh.engine.kv_cache import KVCacheManager
+from izh.engine.kv_cache import KVCacheManager, blocks_per_request
 from izh.engine.request import Request, RequestStatus
 from izh.engine.scheduler import Scheduler, SchedulerOutput
 from tests.unit.engine_params import Params
@@ -24,39 +26,68 @@ BLOCK_SIZE = 4
 EOS = 2
 
 
-class SimulatedKV:
-    """What each slot of each block would hold: the token prefix its KV was computed from."""
+WINDOWS: list[tuple[int | None, ...]] = [(None,), (None, 6), (5,), (None, 6, 6)]
+"""KV cache groups to fuzz: one full group; a full and a sliding group; every layer windowed; two sliding."""
 
-    def __init__(self, num_blocks: int) -> None:
+
+class SimulatedKV:
+    """What each slot of each block would hold: the token prefix its KV was computed from (a block
+    belongs to one group at a time, so one simulated pool serves every group)."""
+
+    def __init__(self, num_blocks: int, windows: tuple[int | None, ...]) -> None:
         self.slots: list[list[tuple[int, ...] | None]] = [[None] * BLOCK_SIZE for _ in range(num_blocks)]
+        self.windows = windows
 
     def run(self, output: SchedulerOutput) -> None:
         # Like a model layer: write the whole batch's KV first, then attend.
         for s in output.scheduled:
             tokens = s.request.all_token_ids
-            for pos in range(
-                s.num_computed_tokens_before, s.num_computed_tokens_before + s.num_scheduled_tokens
-            ):
-                self.slots[s.block_ids[pos // BLOCK_SIZE]][pos % BLOCK_SIZE] = tuple(tokens[: pos + 1])
+            assert s.group_block_ids[0] is s.block_ids and len(s.group_block_ids) == len(self.windows)
+            for table in s.group_block_ids:
+                for pos in range(
+                    s.num_computed_tokens_before, s.num_computed_tokens_before + s.num_scheduled_tokens
+                ):
+                    block = table[pos // BLOCK_SIZE]
+                    assert block >= 0, (s.request.request_id, pos, "written into a freed block")
+                    self.slots[block][pos % BLOCK_SIZE] = tuple(tokens[: pos + 1])
         for s in output.scheduled:
             tokens = s.request.all_token_ids
-            assert len(s.block_ids) * BLOCK_SIZE >= s.num_computed_tokens_before + s.num_scheduled_tokens
-            for pos in range(s.num_computed_tokens_before + s.num_scheduled_tokens):
-                held = self.slots[s.block_ids[pos // BLOCK_SIZE]][pos % BLOCK_SIZE]
-                assert held == tuple(tokens[: pos + 1]), (s.request.request_id, pos, held)
+            end = s.num_computed_tokens_before + s.num_scheduled_tokens
+            for window, table in zip(self.windows, s.group_block_ids, strict=True):
+                assert len(table) * BLOCK_SIZE >= end
+                first = 0 if window is None else max(0, s.num_computed_tokens_before - window + 1)
+                for pos in range(first, end):
+                    block = table[pos // BLOCK_SIZE]
+                    assert block >= 0, (s.request.request_id, pos, window, "a block in the window was freed")
+                    held = self.slots[block][pos % BLOCK_SIZE]
+                    assert held == tuple(tokens[: pos + 1]), (s.request.request_id, pos, window, held)
 
 
 class Driver:
-    def __init__(self, num_blocks: int, budget: int, max_num_seqs: int, policy: str, caching: bool) -> None:
-        self.max_model_len = min(24, num_blocks * BLOCK_SIZE)
+    def __init__(
+        self,
+        num_blocks: int,
+        budget: int,
+        max_num_seqs: int,
+        policy: str,
+        caching: bool,
+        windows: tuple[int | None, ...] = (None,),
+    ) -> None:
+        # The longest context (up to 24) one request can hold in the pool, as the runner sizes it.
+        self.max_model_len = max(
+            (n for n in range(2, 25) if blocks_per_request(windows, BLOCK_SIZE, n, budget) <= num_blocks),
+            default=2,
+        )
         self.scheduler = Scheduler(
-            kv_cache_manager=KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching=caching),
+            kv_cache_manager=KVCacheManager(
+                num_blocks, BLOCK_SIZE, enable_caching=caching, group_windows=windows
+            ),
             max_num_batched_tokens=budget,
             max_num_seqs=max_num_seqs,
             max_model_len=self.max_model_len,
             policy=policy,
         )
-        self.kv = SimulatedKV(num_blocks)
+        self.kv = SimulatedKV(num_blocks, windows)
         self.num_added = 0
         self.finished: list[Request] = []
 
@@ -163,11 +194,23 @@ def random_operations(rng: random.Random, num_ops: int, max_model_len: int) -> l
     max_num_seqs=st.integers(1, 5),
     policy=st.sampled_from(["fcfs", "priority"]),
     caching=st.booleans(),
+    windows=st.sampled_from(WINDOWS),
 )
 def test_random_workloads_keep_invariants_and_leak_nothing(
-    seed: int, num_ops: int, num_blocks: int, budget: int, max_num_seqs: int, policy: str, caching: bool
+    seed: int,
+    num_ops: int,
+    num_blocks: int,
+    budget: int,
+    max_num_seqs: int,
+    policy: str,
+    caching: bool,
+    windows: tuple[int | None, ...],
 ) -> None:
-    driver = Driver(num_blocks, budget, max_num_seqs, policy, caching)
+    # A pool of num_blocks per group: the same room per group as with one.
+    num_blocks *= len(windows)
+    if blocks_per_request(windows, BLOCK_SIZE, 2, budget) > num_blocks:
+        return  # not even a 2-token context fits: the engine refuses such a pool at start
+    driver = Driver(num_blocks, budget, max_num_seqs, policy, caching, windows)
     scheduler = driver.scheduler
     for op in random_operations(random.Random(seed), num_ops, driver.max_model_len):
         if op[0] == "add":

@@ -9,6 +9,7 @@ from izh.engine.kv_cache import (
     FreeBlockQueue,
     KVCacheBlock,
     KVCacheManager,
+    blocks_per_request,
     hash_block_tokens,
     update_block_hashes,
 )
@@ -327,3 +328,107 @@ def test_draft_slots_are_never_cached_and_trim_frees_the_unused_blocks() -> None
     assert len(cached) == 2
     manager.free(request)
     manager.check_invariants()
+
+
+# --- KV cache groups: sliding-window groups free the blocks their window has left --------------------
+
+
+def _decode(manager: KVCacheManager, request: Request, tokens: int) -> None:
+    """Append and compute `tokens` tokens one step each, as decode steps would."""
+    for t in range(tokens):
+        request.append_output_token_ids(1000 + t)
+        assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+        manager.check_invariants()
+
+
+def _live(ids: list[int]) -> int:
+    return sum(1 for block_id in ids if block_id >= 0)
+
+
+def test_sliding_groups_hold_their_window_while_the_full_group_grows() -> None:
+    # One full group and two sliding groups of window 8 (a Gemma-3-like layout), blocks of 4 tokens.
+    manager = KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE, group_windows=(None, 8, 8))
+    request = make_request("a", list(range(10)))
+    schedule_prompt(manager, request)
+    assert [len(t) for t in manager.get_group_block_ids("a")] == [3, 3, 3]
+    counts = []
+    for _ in range(8):
+        _decode(manager, request, 4)
+        counts.append([_live(t) for t in manager.get_group_block_ids("a")])
+    full, sliding = [c[0] for c in counts], [c[1] for c in counts]
+    assert full == [-(-(14 + 4 * i) // BLOCK_SIZE) for i in range(8)]  # grows with the sequence
+    assert max(sliding) <= 3 and sliding[-1] == sliding[-2] == sliding[-3]  # stops at the window
+    assert all(c[1] == c[2] for c in counts)
+    full_table, sliding_table, _ = manager.get_group_block_ids("a")
+    assert len(sliding_table) == len(full_table) and sliding_table[0] == -1  # dropped: null entries
+    assert manager.num_free_blocks == 64 - sum(counts[-1])
+    # Every block a sliding group holds lies within the window of the next token to compute.
+    first_needed = (request.num_computed_tokens - 8 + 1) // BLOCK_SIZE
+    assert all(block_id == -1 for block_id in sliding_table[:first_needed])
+    assert all(block_id >= 0 for block_id in sliding_table[first_needed:])
+    manager.free(request)
+    manager.check_invariants()
+    assert manager.num_free_blocks == 64
+
+
+def test_a_sliding_hit_needs_the_blocks_of_its_window() -> None:
+    manager = KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE, group_windows=(None, 8))
+    a = make_request("a", list(range(40)))
+    schedule_prompt(manager, a)
+    _decode(manager, a, 2)  # the blocks before the window of position 42 go back (cached still)
+    dropped = [i for i, block_id in enumerate(manager.get_group_block_ids("a")[1]) if block_id < 0]
+    assert dropped == list(range(8))
+
+    # A longer prompt sharing a's 40 tokens hits all 10 blocks: the sliding group's last 2 blocks cover
+    # the window of position 40; its earlier entries are null, none of a's freed blocks is revived.
+    b = make_request("b", [*range(40), 77, 78])
+    blocks, num_hit = manager.get_computed_blocks(b)
+    assert num_hit == 40
+    full_hit, sliding_hit = manager.group_hit_blocks(blocks, 0), manager.group_hit_blocks(blocks, 1)
+    assert [x.block_id for x in full_hit] == manager.get_group_block_ids("a")[0][:10]
+    assert [x.block_id for x in sliding_hit[:8]] == [-1] * 8
+    assert [x.block_id for x in sliding_hit[8:]] == manager.get_group_block_ids("a")[1][8:10]
+    assert manager.allocate_slots(b, 2, blocks, num_hit) is not None
+    b.num_computed_tokens = b.num_tokens
+    manager.check_invariants()
+
+    # Once the sliding group's blocks 8 and 9 are gone from the cache, the hit falls back to the last
+    # point whose window's blocks are still cached (a's dropped blocks 6 and 7: end 8 blocks).
+    manager.free(a)
+    manager.free(b)
+    for group_key in [k for k, blk in manager.block_pool.cached_block_hash_to_block.items() if len(k) > 32]:
+        block = manager.block_pool.cached_block_hash_to_block[group_key]
+        index = a.block_hashes.index(group_key[:32])
+        if index >= 8:
+            manager.block_pool.evict(block)
+    c = make_request("c", [*range(40), 5])
+    blocks, num_hit = manager.get_computed_blocks(c)
+    assert num_hit == 32
+    assert [x.block_id for x in manager.group_hit_blocks(blocks, 1)][:6] == [-1] * 6
+    manager.check_invariants()
+
+
+def test_a_mistral_like_single_sliding_group() -> None:
+    # Every layer windowed: one group, which still frees its blocks and hits only with its window.
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, group_windows=(8,))
+    a = make_request("a", list(range(12)))
+    schedule_prompt(manager, a)
+    _decode(manager, a, 20)
+    assert _live(manager.get_block_ids("a")) <= 3
+    b = make_request("b", [*a.all_token_ids, 1])
+    blocks, num_hit = manager.get_computed_blocks(b)
+    assert num_hit == len(a.all_token_ids) // BLOCK_SIZE * BLOCK_SIZE
+    assert [x.block_id for x in blocks][:-2] == [-1] * (len(blocks) - 2)
+    assert manager.allocate_slots(b, b.num_tokens - num_hit, blocks, num_hit) is not None
+    manager.check_invariants()
+
+
+def test_blocks_per_request_counts_the_window_savings() -> None:
+    # 1000 tokens in blocks of 16, steps of at most 64 tokens, window 512: 63 blocks per full group,
+    # ceil((511 + 64) / 16) + 1 = 37 per sliding group.
+    assert blocks_per_request((None,), 16, 1000, 64) == 63
+    assert blocks_per_request((None, 512, 512), 16, 1000, 64) == 63 + 2 * 37
+    assert blocks_per_request((512,), 16, 100, 64) == 7  # shorter than the window: every block
+    manager = KVCacheManager(num_blocks=8, block_size=16, group_windows=(None, 512))
+    assert manager.max_blocks_per_request(1000, 64) == 100

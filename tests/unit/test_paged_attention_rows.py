@@ -129,3 +129,60 @@ def test_a_bad_sequence_index_is_refused_before_writing() -> None:
             seqs.scale,
         )
     assert torch.equal(seqs.cache, before)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_sliding_window_reads_only_its_blocks(variant: str, dtype: torch.dtype, softcap: float) -> None:
+    """With a window of 20 keys, a 70-token prompt gives the same bits whole, in chunks and as decodes,
+    with the block-table entries before each call's first window set to -1 (freed blocks are never read,
+    nor checked), and matches the windowed float64 reference; also with Gemma 2's score soft-cap (2.0:
+    below the scores' spread, so the cap changes them)."""
+    window = 20
+    seqs = _Sequences(dtype, [70])
+    table = seqs.tables[0]
+
+    def run(start: int, end: int) -> Tensor:
+        rows = torch.arange(start + 1, end + 1, dtype=torch.int32)  # each row's length: its position + 1
+        # entries wholly before the first row's window are gone, as the KV cache manager drops them
+        dropped = max(0, start - window + 1) // seqs.block_size
+        tables = torch.tensor([[-1] * dropped + table[dropped:]], dtype=torch.int32)
+        slots = torch.tensor([seqs.slot(0, p) for p in range(start, end)])
+        args = (seqs.q[0][start:end], seqs.k[0][start:end], seqs.v[0][start:end], seqs.cache, slots, tables)
+        if end - start == 1:
+            return K.paged_decode_attention(*args, rows, seqs.scale, window, softcap)
+        return K.paged_attention(*args, torch.zeros_like(rows), rows, seqs.scale, window, softcap)
+
+    whole = run(0, 70)
+    chunked = torch.cat([run(0, 33), run(33, 70)])
+    decoded = torch.cat([run(0, 40), *(run(p, p + 1) for p in range(40, 70))])
+    assert torch.equal(whole, chunked)
+    assert torch.equal(whole, decoded)
+
+    q = seqs.q[0].double().transpose(0, 1)
+    group = seqs.heads // seqs.kv_heads
+    k = seqs.k[0].double().repeat_interleave(group, 1).transpose(0, 1)
+    v = seqs.v[0].double().repeat_interleave(group, 1).transpose(0, 1)
+    pos = torch.arange(70)
+    visible = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
+    scores = (q @ k.transpose(1, 2)) * seqs.scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    expected = (scores.softmax(-1) @ v).transpose(0, 1)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(whole.double(), expected, rtol=tol, atol=tol)
+    # the torch reference (the fallback without the C kernels) reads the same window
+    ref = K.paged_decode_attention_ref(
+        seqs.q[0][69:70],
+        seqs.k[0][69:70],
+        seqs.v[0][69:70],
+        seqs.cache.clone(),
+        torch.tensor([seqs.slot(0, 69)]),
+        torch.tensor([[-1] * 2 + table[2:]], dtype=torch.int32),
+        torch.tensor([70], dtype=torch.int32),
+        seqs.scale,
+        window,
+        softcap,
+    )
+    torch.testing.assert_close(ref.double(), expected[69:70], rtol=tol, atol=tol)

@@ -53,8 +53,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_ABI_VERSION = 7  # izh_cpu_abi_version() in csrc/abi.c
+_ABI_VERSION = 8  # izh_cpu_abi_version() in csrc/abi.c
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+# the paged attention kernels' leading arguments (q .. v with their strides, the cache, num_blocks,
+# block_size, kvh, slot_mapping, block_tables, max_blocks) and trailing ones (out, n, H, d, scale, nt)
+_ATTN_HEAD = [*(_P, _I64, _I64) * 3, _P, _I64, _I64, _I64, _P, _P, _I64]
+_ATTN_TAIL = [_P, _I64, _I64, _I64, _F32, _INT]
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # x, x_stride, w, out, n, hidden, eps, nt
     "rms_norm": (None, [_P, _I64, _P, _P, _I64, _I64, _F32, _INT]),
@@ -65,34 +69,10 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # gate_up, row_stride, out, n, intermediate, nt
     "silu_mul": (None, [_P, _I64, _P, _I64, _I64, _INT]),
     # q, q_ts, q_hs, k, k_ts, k_hs, v, v_ts, v_hs, kv_cache, num_blocks, block_size, kvh,
-    # slot_mapping, block_tables, max_blocks, seq_lens, out, n, H, d, scale, nt
-    "paged_decode_attention": (
-        _INT,
-        [*(_P, _I64, _I64) * 3, _P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _INT],
-    ),
+    # slot_mapping, block_tables, max_blocks, seq_lens, window, softcap, out, n, H, d, scale, nt
+    "paged_decode_attention": (_INT, [*_ATTN_HEAD, _P, _I64, _F32, *_ATTN_TAIL]),
     # as paged_decode_attention, with row_seq and num_seqs after max_blocks
-    "paged_attention": (
-        _INT,
-        [
-            *(_P, _I64, _I64) * 3,
-            _P,
-            _I64,
-            _I64,
-            _I64,
-            _P,
-            _P,
-            _I64,
-            _P,
-            _I64,
-            _P,
-            _P,
-            _I64,
-            _I64,
-            _I64,
-            _F32,
-            _INT,
-        ],
-    ),
+    "paged_attention": (_INT, [*_ATTN_HEAD, _P, _I64, _P, _I64, _F32, *_ATTN_TAIL]),
 }
 
 

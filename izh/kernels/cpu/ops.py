@@ -181,8 +181,12 @@ def paged_decode_attention(
     block_tables: Tensor,
     seq_lens: Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
-    """`paged_decode_attention_ref(...)`: write each sequence's new K/V into the cache, then attend.
+    """`paged_decode_attention_ref(...)`: write each sequence's new K/V into the cache, then attend (with
+    window > 0, to the last `window` positions only: a sliding window; block-table entries before it are
+    never read and may be -1; with softcap > 0, each score s becomes softcap * tanh(s / softcap)).
 
     query [n, H, d], key/value [n, KVH, d] (views with any token and head stride, element stride 1);
     kv_cache contiguous [2, num_blocks, block_size, KVH, d]; slot_mapping int64 [n] (slots < 0 skipped);
@@ -190,7 +194,9 @@ def paged_decode_attention(
     new contiguous [n, H, d]. Raises IndexError, before writing anything, when an index points outside
     the cache or the block table.
     """
-    return _paged_attention(query, key, value, kv_cache, slot_mapping, block_tables, None, seq_lens, scale)
+    return _paged_attention(
+        query, key, value, kv_cache, slot_mapping, block_tables, None, seq_lens, scale, window, softcap
+    )
 
 
 def paged_attention(
@@ -203,6 +209,8 @@ def paged_attention(
     row_seq: Tensor,
     row_lens: Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Attention for any rows (prefill chunks, decodes, mixed): write every row's K/V into the cache, then
     row i attends to positions 0 .. row_lens[i] - 1 of sequence row_seq[i] (block table
@@ -210,9 +218,11 @@ def paged_attention(
 
     The C kernel computes each row exactly as `paged_decode_attention` computes a decode at that length,
     so a token's attention is bit-identical whatever the batch, the chunking, or decode against prefill.
-    row_seq / row_lens int32 [n]; the rest as `paged_decode_attention`. The reference is
+    row_seq / row_lens int32 [n]; the rest (window and softcap included) as `paged_decode_attention`. The reference is
     `paged_decode_attention_ref` over block_tables[row_seq]."""
-    return _paged_attention(query, key, value, kv_cache, slot_mapping, block_tables, row_seq, row_lens, scale)
+    return _paged_attention(
+        query, key, value, kv_cache, slot_mapping, block_tables, row_seq, row_lens, scale, window, softcap
+    )
 
 
 def _paged_attention(
@@ -225,13 +235,17 @@ def _paged_attention(
     row_seq: Tensor | None,
     seq_lens: Tensor,
     scale: float,
+    window: int,
+    softcap: float,
 ) -> Tensor:
     dtype = query.dtype
     k = (STATE.active or resolve()).kernels.get(dtype)
 
     def reference() -> Tensor:
         tables = block_tables if row_seq is None else block_tables.index_select(0, row_seq.long())
-        return paged_decode_attention_ref(query, key, value, kv_cache, slot_mapping, tables, seq_lens, scale)
+        return paged_decode_attention_ref(
+            query, key, value, kv_cache, slot_mapping, tables, seq_lens, scale, window, softcap
+        )
 
     if not (
         k is not None
@@ -310,7 +324,17 @@ def _paged_attention(
         block_tables.data_ptr(),
         block_tables.shape[1],
     )
-    tail = (seq_lens.data_ptr(), out.data_ptr(), n, num_heads, head_dim, scale, torch.get_num_threads())
+    tail = (
+        seq_lens.data_ptr(),
+        window,
+        softcap,
+        out.data_ptr(),
+        n,
+        num_heads,
+        head_dim,
+        scale,
+        torch.get_num_threads(),
+    )
     if row_seq is None:
         rc = k.paged_decode_attention(*common, *tail)
     else:

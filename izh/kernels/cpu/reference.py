@@ -73,6 +73,8 @@ def paged_decode_attention_ref(
     block_tables: Tensor,
     seq_lens: Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Single-token decode attention over a paged KV cache, one sequence at a time in fp32.
 
@@ -80,16 +82,47 @@ def paged_decode_attention_ref(
     Writes key[i]/value[i] to slot `slot_mapping[i]` (slots < 0 are skipped), then sequence i attends to
     positions 0..seq_lens[i]-1 (the new one included), position p at block `block_tables[i, p //
     block_size]`, offset `p % block_size`; query head h reads KV head `h // (H // KVH)`. Returns a new
-    contiguous [n, H, d] in query's dtype.
+    contiguous [n, H, d] in query's dtype. With window > 0 sequence i attends to its last `window`
+    positions only (a sliding window: the block-table entries before them are never read); with softcap
+    > 0 each score s becomes softcap * tanh(s / softcap).
     """
     # The general paged-attention semantics (izh.kernels.paged_attention), with one query per sequence.
     from izh.kernels.paged_attention import paged_attention_reference, write_kv_cache_reference
 
     write_kv_cache_reference(key, value, kv_cache, slot_mapping)
+    if window > 0 or softcap > 0:
+        return _windowed_decode_ref(query, kv_cache, block_tables, seq_lens, scale, window, softcap)
     query_start_loc = torch.arange(query.shape[0] + 1, device=query.device)
     return paged_attention_reference(
         query.contiguous(), kv_cache, query_start_loc, seq_lens, block_tables, scale
     )
+
+
+def _windowed_decode_ref(
+    query: Tensor,
+    kv_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> Tensor:
+    """Row i attends to positions max(0, L - window) .. L - 1 of its table (L = seq_lens[i]; all of them
+    with window 0), its scores soft-capped when softcap > 0, in fp32."""
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty_like(query)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        first = max(0, seq_len - window) if window > 0 else 0
+        positions = torch.arange(first, seq_len, device=query.device)
+        blocks = block_tables[i, positions // block_size].long()
+        k = kv_cache[0, blocks, positions % block_size].float().repeat_interleave(group, dim=1)
+        v = kv_cache[1, blocks, positions % block_size].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,phd->hp", query[i].float(), k) * scale  # [heads, positions]
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
+        out[i] = torch.einsum("hp,phd->hd", scores.softmax(dim=-1), v).to(query.dtype)
+    return out
 
 
 def argmax_rows_ref(x: Tensor) -> Tensor:

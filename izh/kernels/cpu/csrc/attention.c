@@ -17,9 +17,14 @@
  * order of p) and the lanes are then added in one fixed order. A query's attention is thus the same
  * whether it runs as a decode or inside a prefill chunk (izh_paged_attention_*). */
 static __attribute__((noinline)) void softmax_rows(float *restrict sc, float *restrict inv, int64_t group,
-                                                   int64_t L) {
+                                                   int64_t L, float softcap) {
     for (int64_t hh = 0; hh < group; hh++) {
         float *restrict sh = sc + hh * L;
+        /* Gemma 2's soft-capping, softcap * tanh(s / softcap), tanh as 1 - 2 / (exp(2x) + 1) through the
+         * same elementwise exp_f32 (a function of the score alone) */
+        if (softcap > 0.0f)
+            for (int64_t p = 0; p < L; p++)
+                sh[p] = softcap * (1.0f - 2.0f / (exp_f32(2.0f * sh[p] / softcap) + 1.0f));
         float m = -INFINITY;
         for (int64_t p = 0; p < L; p++) m = sh[p] > m ? sh[p] : m;
         for (int64_t p = 0; p < L; p++) sh[p] = exp_f32(sh[p] - m);
@@ -148,8 +153,9 @@ INLINE void prefetch_rows_l2(const void *cache, const int32_t *blocks, int64_t p
 
 INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q_ts, int64_t q_hs,
                                   const void *kc, const void *vc, int64_t block_size, int64_t kvh,
-                                  const int32_t *blocks, int64_t L, void *out, int64_t H, const int64_t D,
-                                  float scale, float *buf, const int bf) {
+                                  const int32_t *blocks, int64_t S, int64_t L, void *out, int64_t H,
+                                  const int64_t D, float scale, float softcap, float *buf, const int bf) {
+    /* Attends to the L positions S .. S+L-1 (a sliding window starts past 0); scores are indexed from S. */
     const int64_t group = H / kvh, NC = (D + 31) / 32, DP = NC * 32; /* DP: D padded */
     float *restrict sc = buf;
     float *restrict acc = sc + group * L;
@@ -161,7 +167,7 @@ INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q
             for (int64_t j = 0; j < D; j++) st(out, (i * H + g * group + hh) * D + j, 0.0f, bf);
         return;
     }
-    int64_t m = row_ptrs(rows[0], kc, blocks, 0, L, block_size, kvh, g, D, bf);
+    int64_t m = row_ptrs(rows[0], kc, blocks, S, S + L, block_size, kvh, g, D, bf);
 #if HAVE_DPBF16
     /* bf16 rows of whole 32-element chunks: q . k straight from bf16 by vdpbf16ps (exact products, fp32
      * sums), each K row loaded once for all the query heads sharing it. */
@@ -174,8 +180,8 @@ INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q
         v16f a[ATTN_DP_MAX_GROUP][16];
         for (int64_t p0 = 0, cur = 0; p0 < L; p0 += 16, cur ^= 1) {
             const void **rk = rows[cur];
-            const int64_t m_next = row_ptrs(rows[cur ^ 1], kc, blocks, p0 + 16, L, block_size, kvh, g, D, bf);
-            prefetch_rows_l2(kc, blocks, p0 + ATTN_L2_AHEAD, L, block_size, kvh, g, D, bf);
+            const int64_t m_next = row_ptrs(rows[cur ^ 1], kc, blocks, S + p0 + 16, S + L, block_size, kvh, g, D, bf);
+            prefetch_rows_l2(kc, blocks, S + p0 + ATTN_L2_AHEAD, S + L, block_size, kvh, g, D, bf);
             for (int64_t o = 0; o < 16; o++) {
                 if (o >= m) {
                     for (int64_t hh = 0; hh < group; hh++) a[hh][o] = (v16f){0};
@@ -204,8 +210,8 @@ INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q
 #endif
     for (int64_t p0 = 0, cur = 0; p0 < L; p0 += 16, cur ^= 1) {
         const void **rk = rows[cur];
-        const int64_t m_next = row_ptrs(rows[cur ^ 1], kc, blocks, p0 + 16, L, block_size, kvh, g, D, bf);
-        prefetch_rows_l2(kc, blocks, p0 + ATTN_L2_AHEAD, L, block_size, kvh, g, D, bf);
+        const int64_t m_next = row_ptrs(rows[cur ^ 1], kc, blocks, S + p0 + 16, S + L, block_size, kvh, g, D, bf);
+        prefetch_rows_l2(kc, blocks, S + p0 + ATTN_L2_AHEAD, S + L, block_size, kvh, g, D, bf);
         for (int64_t hh = 0; hh < group; hh++) {
             const void *qp = off(q, i * q_ts + (g * group + hh) * q_hs, bf);
             v16f qa[MAX_NC], qb[MAX_NC], a[16];
@@ -228,13 +234,13 @@ INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q
         }
         m = m_next;
     }
-    softmax_rows(sc, inv, group, L);
+    softmax_rows(sc, inv, group, L, softcap);
     for (int64_t j = 0; j < group * DP; j++) acc[j] = 0.0f;
-    m = row_ptrs(rows[0], vc, blocks, 0, L, block_size, kvh, g, D, bf);
+    m = row_ptrs(rows[0], vc, blocks, S, S + L, block_size, kvh, g, D, bf);
     for (int64_t p0 = 0, cur = 0; p0 < L; p0 += 16, cur ^= 1) {
         const void **rv = rows[cur];
-        const int64_t m_next = row_ptrs(rows[cur ^ 1], vc, blocks, p0 + 16, L, block_size, kvh, g, D, bf);
-        prefetch_rows_l2(vc, blocks, p0 + ATTN_L2_AHEAD, L, block_size, kvh, g, D, bf);
+        const int64_t m_next = row_ptrs(rows[cur ^ 1], vc, blocks, S + p0 + 16, S + L, block_size, kvh, g, D, bf);
+        prefetch_rows_l2(vc, blocks, S + p0 + ATTN_L2_AHEAD, S + L, block_size, kvh, g, D, bf);
         for (int64_t hh = 0; hh < group; hh++) {
             /* two accumulator sets (even / odd positions) halve the FMA dependency chains */
             v16f aa[2][MAX_NC], ab[2][MAX_NC];
@@ -302,9 +308,9 @@ INLINE __m256 attn_hsum8(const __m256 *a) {
 static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int64_t g, const float *q, int64_t q_ts,
                                                                  int64_t q_hs, const float *kc, const float *vc,
                                                                  int64_t block_size, int64_t kvh,
-                                                                 const int32_t *blocks, int64_t L, float *out,
+                                                                 const int32_t *blocks, int64_t S, int64_t L, float *out,
                                                                  int64_t H, const int64_t D, float scale,
-                                                                 float *buf) {
+                                                                 float softcap, float *buf) {
     const int64_t group = H / kvh, NC = D / 8;
     float *restrict sc = buf;
     float *restrict inv = sc + group * L;
@@ -319,9 +325,9 @@ static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int6
     for (int64_t p0 = 0; p0 < L; p0 += 8) {
         const int64_t m = L - p0 < 8 ? L - p0 : 8;
         for (int64_t o = 0; o < 8; o++)
-            rows[o] = o < m ? (const float *)kv_row(kc, blocks, p0 + o, block_size, kvh, g, D, 0) : zero;
+            rows[o] = o < m ? (const float *)kv_row(kc, blocks, S + p0 + o, block_size, kvh, g, D, 0) : zero;
         for (int64_t p = p0 + 8; p < p0 + 16 && p < L; p++) { /* the next rows into L1 */
-            const char *r = (const char *)kv_row(kc, blocks, p, block_size, kvh, g, D, 0);
+            const char *r = (const char *)kv_row(kc, blocks, S + p, block_size, kvh, g, D, 0);
             for (int64_t x = 0; x < D * 4; x += 64) _mm_prefetch(r + x, _MM_HINT_T0);
         }
         for (int64_t hh = 0; hh < group; hh++) {
@@ -342,7 +348,7 @@ static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int6
             }
         }
     }
-    softmax_rows(sc, inv, group, L);
+    softmax_rows(sc, inv, group, L, softcap);
     for (int64_t hh = 0; hh < group; hh++) {
         const float *wh = sc + hh * L;
         float *oh = out + (i * H + g * group + hh) * D;
@@ -351,7 +357,7 @@ static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int6
             __m256 acc[8];
             for (int64_t c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
             for (int64_t p = 0; p < L; p++) {
-                const float *row = (const float *)kv_row(vc, blocks, p, block_size, kvh, g, D, 0) + 8 * c0;
+                const float *row = (const float *)kv_row(vc, blocks, S + p, block_size, kvh, g, D, 0) + 8 * c0;
                 const __m256 w = _mm256_set1_ps(wh[p]);
                 for (int64_t c = 0; c < nc; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * c), acc[c]);
             }
@@ -362,11 +368,14 @@ static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int6
 }
 #define ATTN_AVX2_ITEM(D)                                                                                    \
     attn_item_f32_avx2(i, g, (const float *)q, q_ts, q_hs, (const float *)kc, (const float *)vc, block_size, kvh, \
-                       blocks, L, (float *)out, H, D, scale, buf);
+                       blocks, S, L, (float *)out, H, D, scale, softcap, buf);
 #else
 #define ATTN_AVX2 0
 #define ATTN_AVX2_ITEM(D) (void)0;
 #endif
+
+/* The first position a row of length L sees: L - window under a sliding window shorter than L, else 0. */
+INLINE int64_t window_start(int64_t L, int64_t window) { return window > 0 && L > window ? L - window : 0; }
 
 /* Per dtype, one non-inlined item function (keeps the compile time down): head sizes 64 and 128 get
  * compile-time copies, the rest (up to 32 * MAX_NC) the runtime-D one. */
@@ -374,17 +383,18 @@ static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int6
     static FAST_FP __attribute__((noinline)) void attn_item_##SFX(                                           \
         int64_t it, const void *q, int64_t q_ts, int64_t q_hs, const void *kc, const void *vc,              \
         int64_t block_size, int64_t kvh, const int32_t *bt, int64_t max_blocks, const int32_t *row_seq,     \
-        const int32_t *seq_lens, void *out, int64_t H, int64_t d, float scale, float *buf) {                \
-        const int64_t i = it / kvh, g = it % kvh, L = seq_lens[i];                                           \
+        const int32_t *seq_lens, int64_t window, float softcap, void *out, int64_t H, int64_t d, float scale, \
+        float *buf) {                                                                                        \
+        const int64_t i = it / kvh, g = it % kvh, S = window_start(seq_lens[i], window), L = seq_lens[i] - S; \
         const int32_t *blocks = bt + (row_seq ? row_seq[i] : i) * max_blocks;                               \
         if (ATTN_AVX2 && !(BF) && d % 8 == 0)                                                                \
             ATTN_AVX2_ITEM(d == 64 ? 64 : d == 128 ? 128 : d)                                                \
         else if (d == 64)                                                                                    \
-            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, L, out, H, 64, scale, buf, BF); \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, out, H, 64, scale, softcap, buf, BF); \
         else if (d == 128)                                                                                   \
-            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, L, out, H, 128, scale, buf, BF); \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, out, H, 128, scale, softcap, buf, BF); \
         else                                                                                                 \
-            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, L, out, H, d, scale, buf, BF);  \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, out, H, d, scale, softcap, buf, BF); \
     }
 
 DEFINE_ATTN_ITEM(f32, 0)
@@ -393,12 +403,14 @@ DEFINE_ATTN_ITEM(bf16, 1)
 /* Validates every index, then writes the new K/V (all writes precede all reads). Returns 0, or a
  * negative code when an index is out of range (nothing is read or written out of bounds then):
  * -1 slot_mapping >= num_blocks * block_size, -2 seq_len > max_blocks * block_size or < 0, -3 a block id
- * outside [0, num_blocks). Slots < 0 are skipped (padding rows). Sets *max_len and *work (sum seq_len). */
+ * outside [0, num_blocks) among the blocks a row reads (under a window, those of its window only: the
+ * entries before it may be -1, blocks already freed). Slots < 0 are skipped (padding rows). Sets *max_len
+ * and *work (sum of the lengths read). */
 INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v, int64_t v_ts, int64_t v_hs,
                         void *kc, void *vc, int64_t num_blocks, int64_t block_size, int64_t kvh,
                         const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks,
-                        const int32_t *row_seq, int64_t num_seqs, const int32_t *seq_lens, int64_t n, int64_t d,
-                        int64_t *max_len, int64_t *work, const int bf) {
+                        const int32_t *row_seq, int64_t num_seqs, const int32_t *seq_lens, int64_t window, int64_t n,
+                        int64_t d, int64_t *max_len, int64_t *work, const int bf) {
     const int64_t num_slots = num_blocks * block_size;
     *max_len = 0;
     *work = 0;
@@ -410,10 +422,11 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
         const int64_t seq = row_seq ? row_seq[i] : i;
         if (seq < 0 || seq >= num_seqs) return -5;
         const int32_t *blocks = block_tables + seq * max_blocks;
-        for (int64_t b = 0; b * block_size < L; b++)
+        const int64_t S = window_start(L, window);
+        for (int64_t b = S / block_size; b * block_size < L; b++)
             if (blocks[b] < 0 || blocks[b] >= num_blocks) return -3;
-        *max_len = L > *max_len ? L : *max_len;
-        *work += L;
+        *max_len = L - S > *max_len ? L - S : *max_len;
+        *work += L - S;
     }
     const size_t bytes = (size_t)d * (bf ? 2 : 4);
     for (int64_t i = 0; i < n; i++) {
@@ -427,7 +440,8 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
     return 0;
 }
 
-/* Every row i attends to positions 0 .. seq_lens[i] - 1 of sequence row_seq[i] (NULL: sequence i), whose
+/* Every row i attends to positions 0 .. seq_lens[i] - 1 (with window > 0, the last `window` of them; with
+ * softcap > 0, its scores soft-capped) of sequence row_seq[i] (NULL: sequence i), whose
  * block table is block_tables[row_seq[i]]: a decode step has one row per sequence, a prefill chunk one row
  * per token (its position + 1 as the length). Each row is one work item per KV head, computed the same way
  * whatever the other rows are, so a token's attention does not depend on the batch, on how its prompt was
@@ -439,13 +453,14 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
         const void *q, int64_t q_ts, int64_t q_hs, const void *k, int64_t k_ts, int64_t k_hs, const void *v,   \
         int64_t v_ts, int64_t v_hs, void *kv_cache, int64_t num_blocks, int64_t block_size, int64_t kvh,     \
         const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks, const int32_t *row_seq,  \
-        int64_t num_seqs, const int32_t *seq_lens, void *out, int64_t n, int64_t H, int64_t d, float scale,  \
-        int nt) {                                                                                            \
+        int64_t num_seqs, const int32_t *seq_lens, int64_t window, float softcap, void *out, int64_t n,        \
+        int64_t H, int64_t d, float scale, int nt) {                                                         \
         void *kc = kv_cache;                                                                                 \
         void *vc = off(kv_cache, num_blocks * block_size * kvh * d, BF);                                     \
         int64_t max_len, work;                                                                               \
         int rc = attn_prepare(k, k_ts, k_hs, v, v_ts, v_hs, kc, vc, num_blocks, block_size, kvh, slot_mapping, \
-                              block_tables, max_blocks, row_seq, num_seqs, seq_lens, n, d, &max_len, &work, BF); \
+                              block_tables, max_blocks, row_seq, num_seqs, seq_lens, window, n, d, &max_len, &work, \
+                              BF);                                                                           \
         if (rc != 0) return rc;                                                                              \
         const int64_t group = H / kvh;                                                                       \
         const size_t scratch = (size_t)(group * (max_len + d + 32) + group) * sizeof(float);                \
@@ -456,7 +471,7 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
             if (!buf) return -4;                                                                             \
             for (int64_t it = 0; it < items; it++)                                                           \
                 attn_item_##SFX(it, q, q_ts, q_hs, kc, vc, block_size, kvh, block_tables, max_blocks, row_seq, \
-                                seq_lens, out, H, d, scale, buf);                                            \
+                                seq_lens, window, softcap, out, H, d, scale, buf);                           \
             free(buf);                                                                                       \
         } else {                                                                                             \
             _Pragma("omp parallel num_threads(nt) reduction(| : failed)") {                                  \
@@ -464,7 +479,7 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
                 failed |= buf == NULL;                                                                       \
                 _Pragma("omp for schedule(dynamic, kvh)") for (int64_t it = 0; it < items; it++) if (buf)      \
                     attn_item_##SFX(it, q, q_ts, q_hs, kc, vc, block_size, kvh, block_tables, max_blocks,    \
-                                    row_seq, seq_lens, out, H, d, scale, buf);                               \
+                                    row_seq, seq_lens, window, softcap, out, H, d, scale, buf);              \
                 free(buf);                                                                                   \
             }                                                                                                \
         }                                                                                                    \
@@ -475,10 +490,10 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
         const void *q, int64_t q_ts, int64_t q_hs, const void *k, int64_t k_ts, int64_t k_hs, const void *v,   \
         int64_t v_ts, int64_t v_hs, void *kv_cache, int64_t num_blocks, int64_t block_size, int64_t kvh,     \
         const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, \
-        void *out, int64_t n, int64_t H, int64_t d, float scale, int nt) {                                   \
+        int64_t window, float softcap, void *out, int64_t n, int64_t H, int64_t d, float scale, int nt) {    \
         return izh_paged_attention_##SFX(q, q_ts, q_hs, k, k_ts, k_hs, v, v_ts, v_hs, kv_cache, num_blocks,   \
                                          block_size, kvh, slot_mapping, block_tables, max_blocks, NULL, n,     \
-                                         seq_lens, out, n, H, d, scale, nt);                                  \
+                                         seq_lens, window, softcap, out, n, H, d, scale, nt);                 \
     }
 
 DEFINE_ATTENTION(f32, 0)

@@ -134,12 +134,13 @@ INLINE float exp_f32(float x) {
         const void *q, int64_t q_ts, int64_t q_hs, const void *k, int64_t k_ts, int64_t k_hs, const void *v,     \
         int64_t v_ts, int64_t v_hs, void *kv_cache, int64_t num_blocks, int64_t block_size, int64_t kvh,       \
         const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, \
-        void *out, int64_t n, int64_t H, int64_t d, float scale, int nt);                                                                                  \
+        int64_t window, float softcap, void *out, int64_t n, int64_t H, int64_t d, float scale, int nt);        \
     int izh_paged_attention_##SFX(                                                                             \
         const void *q, int64_t q_ts, int64_t q_hs, const void *k, int64_t k_ts, int64_t k_hs, const void *v,     \
         int64_t v_ts, int64_t v_hs, void *kv_cache, int64_t num_blocks, int64_t block_size, int64_t kvh,       \
         const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks, const int32_t *row_seq,    \
-        int64_t num_seqs, const int32_t *seq_lens, void *out, int64_t n, int64_t H, int64_t d, float scale, int nt);
+        int64_t num_seqs, const int32_t *seq_lens, int64_t window, float softcap, void *out, int64_t n,          \
+        int64_t H, int64_t d, float scale, int nt);
 IZH_DECLARE_ROW_KERNELS(f32)
 IZH_DECLARE_ROW_KERNELS(bf16)
 
@@ -212,7 +213,7 @@ int izh_q8_gemm(const uint16_t *x, int64_t xs, const uint8_t *w, int64_t M, int6
         izh_rotary_##SFX(qkv, qkv_w, d, cos_sin, M, H + kvh, d, nt);                                           \
         rc = izh_paged_decode_attention_##SFX(qkv, qkv_w, d, qkv + H * d, qkv_w, d, qkv + (H + kvh) * d, qkv_w, \
                                               d, (void *)(intptr_t)lp[STACK_KV], num_blocks, block_size, kvh,  \
-                                              slot_mapping, block_tables, max_blocks, seq_lens, attn, M, H, d,  \
+                                              slot_mapping, block_tables, max_blocks, seq_lens, 0, 0.0f, attn, M, H, d, \
                                               scale, nt);                                                      \
         if (rc) break;                                                                                         \
         if ((rc = LINEAR(lp + STACK_O, attn, M, hidden, H * d, h, nt))) break;                                 \
