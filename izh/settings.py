@@ -435,8 +435,16 @@ class ServerSettings(_Section):
     engine_heartbeat_timeout_s: float = Field(
         default=30,
         gt=0,
-        description="Seconds the engine core may go without answering a heartbeat (it answers between "
-        "steps) before it is declared hung: /ready turns red, then in-flight requests fail.",
+        description="Seconds the engine core process may go without answering a heartbeat (its input "
+        "thread answers, during a step too) before it is declared hung: /ready turns red, then "
+        "in-flight requests fail.",
+    )
+    engine_step_timeout_s: float = Field(
+        default=600,
+        ge=0,
+        description="Seconds one engine step may run before the core is declared hung (0: no bound). A "
+        "step holds at most engine.max_num_batched_tokens tokens; raise it for a big model on a slow "
+        "CPU.",
     )
     restart_dead_core: bool = Field(
         default=False,
