@@ -11,16 +11,15 @@ records the same task with a real Qwen2.5-Coder in bench_results/.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from benchmarks.agents_cli import (
     Served,
     claude_env,
+    claude_result,
     codex_env,
     codex_events,
     find_cli,
@@ -83,22 +82,12 @@ def test_codex_exec(served: Served, tmp_path: Path) -> None:
     assert messages[-1].strip() and any(messages[-1].strip() in text for text in outputs), (messages, outputs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Claude Code 2.1.332's first request is refused by izh's Messages route four times over: a "
-    "'system' role inside `messages` (its environment note), `context_management` (clear_thinking, keep "
-    "all), `output_config.effort`, and max_tokens 32000 beyond the context (no clamping); strict: this "
-    "fails once the route serves Claude Code, to be turned into a plain test",
-)
 def test_claude_print(served: Served, tmp_path: Path) -> None:
     cli = find_cli("claude")
     if cli is None:
         pytest.skip(
             "Claude Code is not installed (.ci/run: npm install @anthropic-ai/claude-code into .venv/agents)"
         )
-    probe = httpx.post(f"{served.url}/v1/messages", json={}, timeout=30)
-    if probe.status_code == 404:
-        pytest.skip("izh does not serve /v1/messages on this branch (Anthropic's Messages API)")
     work = tmp_path / "work"
     work.mkdir()
     env = claude_env(tmp_path / "home", served.url, MODEL)
@@ -106,8 +95,8 @@ def test_claude_print(served: Served, tmp_path: Path) -> None:
     run = run_agent("claude", cli, env, MODEL, "say hi", work, TIMEOUT_S, short=True)
     lines = _check_protocol(served, before, run["rc"], run["stderr"])
     assert all(str(line["path"]).startswith("/v1/messages") for line in lines)
-    result = json.loads(run["stdout"])
-    assert result.get("is_error") is False, result
+    result = claude_result(run["stdout"])
+    assert result.get("is_error") is False, run["stdout"][-3000:]
     outputs = _outputs(lines)
     assert result["result"].strip() and any(result["result"].strip() in text for text in outputs), (
         result,
