@@ -312,7 +312,9 @@ def _thinking_turns_kept(body: CountTokensRequest | MessagesRequest) -> int | No
                 f"{param}.type", f"context edits of type {kind!r} are not supported here ({CLEAR_THINKING})"
             )
         _check_keys(edit, {"type", "keep"}, param)
-        keep = edit.get("keep", {"type": "thinking_turns", "value": 1})
+        keep = edit.get("keep")
+        if keep is None:
+            keep = {"type": "thinking_turns", "value": 1}  # Anthropic's default: the latest turn
         if keep == "all":
             continue
         value = keep.get("value") if isinstance(keep, dict) and keep.get("type") == "thinking_turns" else None
