@@ -370,5 +370,7 @@ def test_claude_codes_fields_are_accepted() -> None:
     )
     chat = chat_request(body, reasoning=False)
     assert chat.max_tokens == 32000 and chat.response_format is None
+    for display in ("summarized", "highlights", "updates"):  # "updates": claude -p with stream-json
+        _body(messages=[{"role": "user", "content": "x"}], thinking={"type": "adaptive", "display": display})
     with pytest.raises(pydantic.ValidationError, match=r"output_config\.effort"):
         _body(messages=[{"role": "user", "content": "x"}], output_config={"effort": "extreme"})

@@ -37,9 +37,10 @@ class ThinkingConfig(_Strict):
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
-    display: Literal["summarized", "omitted"] | None = None
-    """"summarized" (the default): thinking blocks carry the thinking as the model wrote it (izh writes
-    no shorter summary); "omitted": their `thinking` is empty and their `signature` holds it sealed
+    display: Literal["summarized", "highlights", "updates", "omitted"] | None = None
+    """"summarized" (the default), "highlights", "updates" (Claude Code's, headless with stream-json):
+    thinking blocks carry the thinking as the model wrote it, streamed as it comes (izh writes no
+    shorter form of it); "omitted": their `thinking` is empty and their `signature` holds it sealed
     with the server's key, so that izh reads it back when the block returns in a later request."""
 
 
