@@ -169,7 +169,9 @@ def agent_command(agent: str, cli: str, model: str, task: str, *, short: bool) -
         "stream-json",
         "--verbose",
     ]
-    return command + (["--system-prompt", SHORT_INSTRUCTIONS] if short else [])
+    return command + (
+        ["--system-prompt", SHORT_INSTRUCTIONS.replace("exec_command", "Bash")] if short else []
+    )
 
 
 def run_agent(
@@ -184,21 +186,34 @@ def run_agent(
 ) -> dict[str, Any]:
     """Run one headless agent turn; its exit code, output and wall time."""
     started = time.monotonic()
-    proc = subprocess.run(
-        agent_command(agent, cli, model, task, short=short),
-        cwd=cwd,
-        env={"PATH": os.environ.get("PATH", ""), **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        stdin=subprocess.DEVNULL,
-    )
+    try:
+        proc = subprocess.run(
+            agent_command(agent, cli, model, task, short=short),
+            cwd=cwd,
+            env={"PATH": os.environ.get("PATH", ""), **env},
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired as exc:  # recorded as cut, with what it had printed
+        return {
+            "rc": None,
+            "timed_out_s": timeout_s,
+            "stdout": _text(exc.stdout),
+            "stderr": _text(exc.stderr),
+            "wall_s": time.monotonic() - started,
+        }
     return {
         "rc": proc.returncode,
         "stdout": proc.stdout,
         "stderr": proc.stderr,
         "wall_s": time.monotonic() - started,
     }
+
+
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def codex_events(stdout: str) -> list[dict[str, Any]]:
