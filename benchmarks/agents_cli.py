@@ -62,7 +62,12 @@ class Served:
 
 
 def serve(
-    gguf: str, model: str, folder: Path, max_model_len: int, extra_env: dict[str, str] | None = None
+    gguf: str,
+    model: str,
+    folder: Path,
+    max_model_len: int,
+    extra_env: dict[str, str] | None = None,
+    extra_args: tuple[str, ...] = (),
 ) -> Served:
     """`izh serve` of `gguf` on a free port, logging JSON lines to folder/serve.log, each request's
     prompt and output included (server.log_prompts)."""
@@ -73,7 +78,7 @@ def serve(
     port = free_port()
     log = folder / "serve.log"
     cmd = [sys.executable, "-m", "izh_cli.main", "serve", gguf, "--port", str(port), "--config", str(config)]
-    cmd += ["--served-model-name", model, "--max-model-len", str(max_model_len)]
+    cmd += ["--served-model-name", model, "--max-model-len", str(max_model_len), *extra_args]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(extra_env or {})}

@@ -36,8 +36,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 300)]
 
 @pytest.fixture(scope="module")
 def served(smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    # Codex sends no max_output_tokens: the context's room bounds a rambling 135M model's answer.
-    started = serve(smollm2_gguf, MODEL, tmp_path_factory.mktemp("agents-server"), MAX_MODEL_LEN)
+    # Codex sends no max_output_tokens: the context's room bounds a rambling 135M model's answer. Neither
+    # agent sends a temperature: greedy (the server's default here) makes the 135M model's answers
+    # repeatable (sampled at 1.0 it sometimes rambles to the end of the context, which Claude Code then
+    # reports as an error after its continuation requests no longer fit: a 400, as Anthropic's).
+    started = serve(
+        smollm2_gguf,
+        MODEL,
+        tmp_path_factory.mktemp("agents-server"),
+        MAX_MODEL_LEN,
+        extra_args=("--override-generation-config", '{"temperature": 0}'),
+    )
     try:
         yield started
     finally:
