@@ -62,20 +62,23 @@ class Served:
 
 
 def serve(
-    gguf: str, model: str, folder: Path, max_model_len: int, extra_env: dict[str, str] | None = None
+    gguf: str,
+    model: str,
+    folder: Path,
+    max_model_len: int,
+    extra_env: dict[str, str] | None = None,
+    extra_args: tuple[str, ...] = (),
 ) -> Served:
     """`izh serve` of `gguf` on a free port, logging JSON lines to folder/serve.log, each request's
     prompt and output included (server.log_prompts)."""
     folder.mkdir(parents=True, exist_ok=True)
     config = folder / "izh.toml"
-    # A long prefill step on a loaded host must not read as a hung engine core.
-    config.write_text(
-        "[server]\nlog_prompts = true\nengine_heartbeat_timeout_s = 600\n[logging]\njson = true\n"
-    )
+    # The default heartbeat (30 s): the core answers it during long prefill steps.
+    config.write_text("[server]\nlog_prompts = true\n[logging]\njson = true\n")
     port = free_port()
     log = folder / "serve.log"
     cmd = [sys.executable, "-m", "izh_cli.main", "serve", gguf, "--port", str(port), "--config", str(config)]
-    cmd += ["--served-model-name", model, "--max-model-len", str(max_model_len)]
+    cmd += ["--served-model-name", model, "--max-model-len", str(max_model_len), *extra_args]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(extra_env or {})}
@@ -168,9 +171,12 @@ def agent_command(agent: str, cli: str, model: str, task: str, *, short: bool) -
         "--allowedTools",
         "Bash",
         "--output-format",
-        "json",
+        "stream-json",
+        "--verbose",
     ]
-    return command + (["--system-prompt", SHORT_INSTRUCTIONS] if short else [])
+    return command + (
+        ["--system-prompt", SHORT_INSTRUCTIONS.replace("exec_command", "Bash")] if short else []
+    )
 
 
 def run_agent(
@@ -185,15 +191,24 @@ def run_agent(
 ) -> dict[str, Any]:
     """Run one headless agent turn; its exit code, output and wall time."""
     started = time.monotonic()
-    proc = subprocess.run(
-        agent_command(agent, cli, model, task, short=short),
-        cwd=cwd,
-        env={"PATH": os.environ.get("PATH", ""), **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        stdin=subprocess.DEVNULL,
-    )
+    try:
+        proc = subprocess.run(
+            agent_command(agent, cli, model, task, short=short),
+            cwd=cwd,
+            env={"PATH": os.environ.get("PATH", ""), **env},
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired as exc:  # recorded as cut, with what it had printed
+        return {
+            "rc": None,
+            "timed_out_s": timeout_s,
+            "stdout": _text(exc.stdout),
+            "stderr": _text(exc.stderr),
+            "wall_s": time.monotonic() - started,
+        }
     return {
         "rc": proc.returncode,
         "stdout": proc.stdout,
@@ -202,8 +217,13 @@ def run_agent(
     }
 
 
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
 def codex_events(stdout: str) -> list[dict[str, Any]]:
-    """`codex exec --json`'s events, one JSON object a line."""
+    """`codex exec --json`'s events (and `claude -p --output-format stream-json`'s), one JSON object a
+    line."""
     events = []
     for text in stdout.splitlines():
         try:
@@ -211,6 +231,52 @@ def codex_events(stdout: str) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return events
+
+
+def claude_result(stdout: str) -> dict[str, Any]:
+    """`claude -p --output-format stream-json`'s final `result` event ({} when it printed none)."""
+    results = [event for event in codex_events(stdout) if event.get("type") == "result"]
+    return results[-1] if results else {}
+
+
+def tool_calls(agent: str, stdout: str) -> list[str]:
+    """The shell commands the agent ran: Codex's command_execution items, Claude Code's Bash tool_use
+    blocks."""
+    commands = []
+    for event in codex_events(stdout):
+        if agent == "codex":
+            item = event.get("item", {})
+            if event.get("type") == "item.completed" and item.get("type") == "command_execution":
+                commands.append(str(item.get("command")))
+        elif event.get("type") == "assistant":
+            for block in event.get("message", {}).get("content", []):
+                if block.get("type") == "tool_use":
+                    commands.append(json.dumps(block.get("input")))
+    return commands
+
+
+def final_answer(agent: str, stdout: str) -> str:
+    """The agent's last message to the user."""
+    if agent == "claude":
+        return str(claude_result(stdout).get("result", ""))
+    messages = [
+        event["item"]["text"]
+        for event in codex_events(stdout)
+        if event.get("type") == "item.completed" and event.get("item", {}).get("type") == "agent_message"
+    ]
+    return messages[-1] if messages else ""
+
+
+def prefix_cache_counters(url: str) -> dict[str, float]:
+    """izh's /metrics prefix-cache counters (tokens queried, tokens served from the cache)."""
+    import httpx
+
+    counters = {"queries": 0.0, "hits": 0.0}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        for key in counters:
+            if line.startswith(f"izh:prefix_cache_{key}_total"):
+                counters[key] += float(line.rsplit(" ", 1)[1])
+    return counters
 
 
 def _cpu() -> str:
@@ -249,8 +315,14 @@ def main() -> None:
                 else claude_env(home, served.url, args.model)
             )
             before = len(request_lines(served.log))
+            cache_before = prefix_cache_counters(served.url)
             run = run_agent(agent, cli, env, args.model, TASK, work, args.timeout_s, args.short)
             time.sleep(1)  # the request log line is written once the response is out
+            cache_after = prefix_cache_counters(served.url)
+            run["prefix_cache_tokens"] = {k: cache_after[k] - cache_before[k] for k in cache_after}
+            run["tool_calls"] = tool_calls(agent, run["stdout"])
+            run["answer"] = final_answer(agent, run["stdout"])
+            run["expected_output_in_answer"] = "4 + 3 = 7" in run["answer"]
             run["requests"] = [
                 {
                     k: line.get(k)
@@ -281,7 +353,9 @@ def main() -> None:
         "cpu": _cpu(),
         "model": args.gguf,
         "task": TASK,
-        "note": "host shared with concurrent work (2 cores, 8 engineers): times are noisy",
+        "note": "host shared with concurrent work: times are noisy",
+        "load_average_1m_end": os.getloadavg()[0],
+        "cpu_count": os.cpu_count(),
         "results": results,
     }
     out = Path(args.out) / f"agents_cli-{stamp}.json"

@@ -70,7 +70,8 @@ class Abort(msgspec.Struct, tag=True):
 class Utility(msgspec.Struct, tag=True):
     """A call on the core answered by a UtilityResult with the same call_id.
 
-    Methods: "ping" (heartbeat), "reset_prefix_cache", "kv_block_states", "load_lora_adapter" (name,
+    Methods: "ping" (heartbeat; answered by the core's input thread, even during a step, with
+    `{"num_steps", "step_running_s"}`), "reset_prefix_cache", "kv_block_states", "load_lora_adapter" (name,
     path), "unload_lora_adapter" (name). (Stats are not asked for: the core publishes them on
     EngineOutputs.)
     """

@@ -356,6 +356,26 @@ class EngineSettings(_Section):
     )
 
 
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+"""The generation_config.json keys that are sampling defaults (and may be overridden)."""
+
+
+def generation_config_override(text: str) -> dict[str, float]:
+    """server.override_generation_config as a dict; ValueError naming what is wrong."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object")
+    for key, number in value.items():
+        if key not in GENERATION_CONFIG_KEYS:
+            raise ValueError(f"unknown key {key!r} (expected {', '.join(GENERATION_CONFIG_KEYS)})")
+        if not isinstance(number, int | float) or isinstance(number, bool):
+            raise ValueError(f"{key} must be a number")
+    return value
+
+
 class ServerSettings(_Section):
     """[server]: the HTTP API: binding, auth, limits, parsers."""
 
@@ -423,6 +443,20 @@ class ServerSettings(_Section):
         min_length=1,
         description="Reasoning parser: auto (from the chat template), none, or a parser name.",
     )
+    override_generation_config: str | None = Field(
+        default=None,
+        description="vLLM's --override-generation-config: a JSON object over the model's "
+        "generation_config.json sampling defaults (temperature, top_p, top_k, min_p, "
+        'repetition_penalty, max_new_tokens), e.g. {"temperature": 0}; a request\'s own values win.',
+    )
+
+    @field_validator("override_generation_config")
+    @classmethod
+    def _check_generation_config(cls, value: str | None) -> str | None:
+        if value is not None:
+            generation_config_override(value)
+        return value
+
     log_requests: bool = Field(
         default=True,
         description="Log one line per API request: request id, key id, status, token counts, timings, "
@@ -435,8 +469,16 @@ class ServerSettings(_Section):
     engine_heartbeat_timeout_s: float = Field(
         default=30,
         gt=0,
-        description="Seconds the engine core may go without answering a heartbeat (it answers between "
-        "steps) before it is declared hung: /ready turns red, then in-flight requests fail.",
+        description="Seconds the engine core process may go without answering a heartbeat (its input "
+        "thread answers, during a step too) before it is declared hung: /ready turns red, then "
+        "in-flight requests fail.",
+    )
+    engine_step_timeout_s: float = Field(
+        default=600,
+        ge=0,
+        description="Seconds one engine step may run before the core is declared hung (0: no bound). A "
+        "step holds at most engine.max_num_batched_tokens tokens; raise it for a big model on a slow "
+        "CPU.",
     )
     restart_dead_core: bool = Field(
         default=False,

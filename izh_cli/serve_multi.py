@@ -451,6 +451,7 @@ async def _serve_api(spec: ApiProcessSpec) -> int:
             request_timeout_s=s.request_timeout_s,
             max_buffered_outputs=s.max_buffered_outputs,
             heartbeat_timeout_s=s.engine_heartbeat_timeout_s,
+            step_timeout_s=s.engine_step_timeout_s or None,
         )
     except IzhError as exc:
         spec.status.send(("error", exc.message, hint_for(exc)))

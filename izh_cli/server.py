@@ -57,6 +57,7 @@ async def start_llm(settings: IzhSettings, engine_config: EngineConfig) -> Async
         max_waiting_requests=s.max_waiting_requests,
         request_timeout_s=s.request_timeout_s,
         heartbeat_timeout_s=s.engine_heartbeat_timeout_s,
+        step_timeout_s=s.engine_step_timeout_s or None,
         max_buffered_outputs=s.max_buffered_outputs,
         restart_dead_core=s.restart_dead_core,
     )

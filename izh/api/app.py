@@ -46,7 +46,7 @@ from izh.api.responses.store import ResponseStore
 from izh.api.webui.routes import register_web_ui
 from izh.parsers.reasoning import resolve_reasoning_parser
 from izh.parsers.tools import select_tool_parser
-from izh.settings import LimitSettings, RateLimitSettings, ServerSettings
+from izh.settings import LimitSettings, RateLimitSettings, ServerSettings, generation_config_override
 
 if TYPE_CHECKING:
     from izh.frontend.async_llm import AsyncLLM
@@ -170,7 +170,12 @@ def build_app(
         reasoning_parser=parser,
         default_request_timeout_s=s.request_timeout_s,
         metrics=stat_logger,
-        sampling_defaults=sampling_defaults(tokenizer.generation_config),
+        sampling_defaults=sampling_defaults(
+            {
+                **tokenizer.generation_config,
+                **generation_config_override(s.override_generation_config or "{}"),
+            }
+        ),
         created=int(time.time()),
         tool_call_parser=s.tool_call_parser,
         responses_store=ResponseStore(s.responses_store_max),

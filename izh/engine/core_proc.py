@@ -4,7 +4,9 @@
 The frontend picks `ipc://` paths in a private temp dir and binds the output PULL socket; the core
 connects its output PUSH socket there and binds the input PULL socket. Only the busy-loop thread
 touches the EngineCore; the I/O threads only decode and encode, and libzmq releases the GIL while
-it waits, so I/O overlaps steps.
+it waits, so I/O overlaps steps. The input thread answers the frontend's heartbeat (`ping`) itself,
+with how long the step under way has run: a step that takes minutes (a long prefill on a slow CPU)
+does not silence the core, and the frontend still sees a step that never ends.
 
 Several frontends (`izh serve --api-server-count N`, izh_cli/serve_multi.py): the core is given one
 output address per frontend, all bound by the frontends, and connects a PUSH socket to each. Every
@@ -308,6 +310,10 @@ class EngineCoreProc:
         self._last_stats_time = 0.0
         self._last_block_map_time = 0.0
         self._stopping = False
+        self._num_steps = 0
+        self._step_started: float | None = None
+        """Monotonic start of the step under way (None between steps): written by the busy loop, read
+        by the input thread when it answers a heartbeat."""
 
     def start_io(self) -> None:
         """Start the I/O threads; from here on they own the sockets (see close())."""
@@ -390,12 +396,26 @@ class EngineCoreProc:
             self._handle(msg)
 
     def _step(self) -> None:
+        self._num_steps += 1
+        self._step_started = time.monotonic()
         try:
             outputs = self.core.step()
         except Exception as exc:
             logger.exception("EngineCore step failed")
             raise _Fatal(f"step() failed: {_one_line(exc)}") from exc
+        finally:
+            self._step_started = None
         self._send_outputs(outputs)
+
+    def liveness(self) -> dict[str, Any]:
+        """A heartbeat's answer: the steps begun so far and how long the one under way has run (None
+        between steps). The input thread sends it at once, so a long step (a prefill on a slow CPU)
+        never silences the core; the frontend bounds one step by server.engine_step_timeout_s."""
+        started = self._step_started
+        return {
+            "num_steps": self._num_steps,
+            "step_running_s": None if started is None else time.monotonic() - started,
+        }
 
     def _send_outputs(self, outputs: list[EngineOutput], force_stats: bool = False) -> None:
         """Queue one outputs message, with the scheduler stats when due (or when going idle), and
@@ -478,8 +498,6 @@ class EngineCoreProc:
             return UtilityResult(msg.call_id, error=_one_line(exc))
 
     def _utility_result(self, method: str, args: list[Any]) -> Any:
-        if method == "ping":
-            return "pong"
         if method == "reset_prefix_cache":
             reset = self.core.reset_prefix_cache()
             self._send_outputs([], force_stats=True)  # the published block map changed
@@ -512,6 +530,11 @@ class EngineCoreProc:
                     continue
                 if type(msg) is AddRequest and msg.client_index:
                     self._owners[msg.request_id] = msg.client_index
+                elif type(msg) is Utility and msg.method == "ping":
+                    # Answered here, not by the busy loop: a step may run for minutes.
+                    answer = UtilityResult(msg.call_id, result=self.liveness())
+                    self._outputs.put(_Targeted(msg.client_index, answer))
+                    continue
                 self._inputs.put(msg)
         except zmq.ContextTerminated:
             pass

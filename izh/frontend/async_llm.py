@@ -306,6 +306,7 @@ class AsyncLLM:
         max_buffered_outputs: int = DEFAULT_MAX_BUFFERED_OUTPUTS,
         heartbeat_timeout_s: float = 30.0,
         heartbeat_interval_s: float | None = None,
+        step_timeout_s: float | None = None,
         stat_loggers: Sequence[StatLogger] = (),
         core_factory: str = DEFAULT_CORE_FACTORY,
         ready_timeout_s: float = 600.0,
@@ -327,6 +328,7 @@ class AsyncLLM:
             "ready_timeout_s": ready_timeout_s,
             "heartbeat_interval_s": heartbeat_interval_s or min(5.0, heartbeat_timeout_s / 3),
             "heartbeat_timeout_s": heartbeat_timeout_s,
+            "step_timeout_s": step_timeout_s,
         }
         client_task = asyncio.ensure_future(
             EngineCoreClient.start(

@@ -5,8 +5,12 @@ The client binds a PULL socket (outputs) on an `ipc://` path in a private temp d
 ready connects a PUSH socket (inputs) to the input socket the core bound in the same dir.
 All socket use happens on the event loop's thread: ZMQ sockets are not thread-safe.
 
-Two watchdogs turn a lost core into `is_dead` with a reason: the process sentinel (the core exited)
-and a heartbeat (a ping not answered within `heartbeat_timeout_s`: the core hangs in a step).
+Watchdogs turn a lost core into `is_dead` with a reason: the process sentinel (the core exited), a
+heartbeat (a ping not answered within `heartbeat_timeout_s`: the core process is stopped or frozen) and
+the step bound (the core's answer says one step has run past `step_timeout_s`: hung in a step). The
+core's input thread answers pings during a step too, so a long step (a prefill of many tokens on a slow
+CPU) keeps the core alive and the server ready; the frontend logs a warning when one outlasts the
+heartbeat timeout.
 
 The core publishes its stats on its outputs; the output loop keeps the latest (`latest_stats`), so a
 dashboard reads them at once instead of waiting for the core to finish its current step.
@@ -100,6 +104,7 @@ class EngineCoreClient:
         core_factory: str = DEFAULT_CORE_FACTORY,
         heartbeat_interval_s: float = 5.0,
         heartbeat_timeout_s: float = 30.0,
+        step_timeout_s: float | None = None,
         attach: AttachedCore | None = None,
     ) -> None:
         if core_mode not in CORE_MODES:
@@ -110,6 +115,9 @@ class EngineCoreClient:
         self._on_dead = on_dead
         self._heartbeat_interval_s = heartbeat_interval_s
         self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._step_timeout_s = step_timeout_s
+        self._long_step_warned = -1
+        """The step (the core's count) already reported as long."""
         self._loop = asyncio.get_running_loop()
         self._encoder = make_encoder()
         self._call_ids = itertools.count()
@@ -175,6 +183,7 @@ class EngineCoreClient:
         ready_timeout_s: float = 600.0,
         heartbeat_interval_s: float = 5.0,
         heartbeat_timeout_s: float = 30.0,
+        step_timeout_s: float | None = None,
         attach: AttachedCore | None = None,
     ) -> EngineCoreClient:
         """Start the core (or, with `attach`, connect to a running one) and wait for Ready.
@@ -190,6 +199,7 @@ class EngineCoreClient:
             core_factory=core_factory,
             heartbeat_interval_s=heartbeat_interval_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
+            step_timeout_s=step_timeout_s,
             attach=attach,
         )
         try:
@@ -217,8 +227,9 @@ class EngineCoreClient:
 
     @property
     def is_responsive(self) -> bool:
-        """The core said something within the heartbeat timeout (it answers pings between steps, so
-        a core stuck in a step turns this False before the watchdog declares it dead)."""
+        """The core said something within the heartbeat timeout (its input thread answers pings even
+        during a step, so a stopped or frozen process turns this False before the watchdog declares
+        it dead)."""
         return self._loop.time() - self._last_alive <= self._heartbeat_timeout_s
 
     @property
@@ -435,15 +446,38 @@ class EngineCoreClient:
         while not self._closing and self._dead_reason is None:
             await asyncio.sleep(self._heartbeat_interval_s)
             try:
-                await self.call_utility("ping", timeout_s=self._heartbeat_timeout_s)
+                liveness = await self.call_utility("ping", timeout_s=self._heartbeat_timeout_s)
             except TimeoutError:
                 self._mark_dead(
                     f"the engine core did not answer a heartbeat within {self._heartbeat_timeout_s:g} s "
-                    "(hung in a step?)"
+                    "(the process is stopped or frozen?)"
                 )
                 return
             except IzhError:
                 return  # dead or closed: reported elsewhere
+            if not self._step_alive(liveness):
+                return
+
+    def _step_alive(self, liveness: dict[str, Any]) -> bool:
+        """Check a heartbeat's answer: False (and dead) once one step has run past the step bound."""
+        running_s, step = liveness.get("step_running_s"), liveness.get("num_steps", 0)
+        if running_s is None:
+            return True
+        if self._step_timeout_s and running_s > self._step_timeout_s:
+            self._mark_dead(
+                f"one engine step has run for {running_s:.0f} s, past the step timeout of "
+                f"{self._step_timeout_s:g} s (hung in a step?)"
+            )
+            return False
+        if running_s > self._heartbeat_timeout_s and step != self._long_step_warned:
+            self._long_step_warned = step
+            logger.warning(
+                "engine step %d has run for %.0f s and goes on (a long prefill on a slow or busy CPU?); "
+                "the core answers heartbeats meanwhile",
+                step,
+                running_s,
+            )
+        return True
 
     def _on_process_exit(self) -> None:
         assert self._proc is not None

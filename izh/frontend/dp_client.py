@@ -267,6 +267,7 @@ async def start_attached_llm(
     request_timeout_s: float | None,
     max_buffered_outputs: int,
     heartbeat_timeout_s: float,
+    step_timeout_s: float | None = None,
     ready_timeout_s: float = 600.0,
 ) -> AsyncLLM:
     """An AsyncLLM over running cores (one per entry of `cores`, each with this frontend's place at
@@ -293,6 +294,7 @@ async def start_attached_llm(
         "ready_timeout_s": ready_timeout_s,
         "heartbeat_interval_s": min(5.0, heartbeat_timeout_s / 3),
         "heartbeat_timeout_s": heartbeat_timeout_s,
+        "step_timeout_s": step_timeout_s,
     }
     starts = [
         asyncio.ensure_future(EngineCoreClient.start(config, attach=core, **core_callbacks(k), **options))

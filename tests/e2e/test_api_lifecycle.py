@@ -193,3 +193,17 @@ def test_stats_answer_while_the_core_is_in_a_long_step(fake_model_dir: Path, tmp
         _wait_idle(server)
         after = httpx.get(f"{server.url}/v1/izh/stats", timeout=30).json()
         assert after["scheduler"]["num_running"] == 0 and after["kv_block_states"] == [0] * 64
+
+
+def test_steps_longer_than_the_heartbeat_timeout_are_served(fake_model_dir: Path, tmp_path: Path) -> None:
+    """A step of 1 s against a 0.3 s heartbeat timeout (a long prefill on a slow CPU, scaled down): the
+    core answers heartbeats during its steps, so the request is served and the server stays ready."""
+    (tmp_path / "slow").mkdir()
+    model_dir = make_fake_model(fake_model_dir, tmp_path / "slow", step_delay_s=1.0, max_model_len=256)
+    with _server(model_dir, heartbeat_timeout_s=0.3, heartbeat_interval_s=0.05) as server:
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3}
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["finish_reason"] == "length"
+        assert reply.json()["usage"]["completion_tokens"] == 3
+        assert httpx.get(f"{server.url}/ready", timeout=30).status_code == 200

@@ -267,6 +267,109 @@ def test_count_tokens_is_the_messages_input(server: RealServer, client: anthropi
     assert 0 < without_tools.input_tokens < counted.input_tokens
 
 
+# --- Claude Code's requests ------------------------------------------------------------------------------------
+
+# The Bash tool's schema as Claude Code 2.1.332 sends it (draft 2020-12, bounds, no extra properties).
+BASH_TOOL: dict[str, Any] = {
+    "name": "Bash",
+    "description": "Executes a given bash command and returns its output.",
+    "input_schema": {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "type": "object",
+        "properties": {
+            "command": {"description": "The command to execute", "type": "string"},
+            "timeout": {
+                "description": "Optional timeout in milliseconds",
+                "type": "number",
+                "maximum": 600000,
+            },
+            "description": {"type": "string", "maxLength": 200},
+            "run_in_background": {"type": "boolean"},
+        },
+        "required": ["command"],
+        "additionalProperties": False,
+    },
+}
+
+
+def _claude_code_body(model: str) -> dict[str, Any]:
+    """A first request of Claude Code 2.1.332 (`claude -p`, the Bash tool), its texts shortened."""
+    session = {
+        "device_id": "5a3d" * 16,
+        "account_uuid": "",
+        "session_id": "2fbcc3da-d4bb-4ac9-b67c-8ed9e8811477",
+    }
+    return {
+        "model": model,
+        "max_tokens": 32000,
+        "stream": True,
+        "system": [
+            {
+                "type": "text",
+                "text": "x-anthropic-billing-header: cc_version=2.1.332.551; cc_entrypoint=sdk-cli;",
+            },
+            {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}},
+        ],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "<system-reminder>\nBe careful.\n</system-reminder>\n"},
+                    {"type": "text", "text": "Say hi.", "cache_control": {"type": "ephemeral"}},
+                ],
+            },
+            {"role": "system", "content": [{"type": "text", "text": "# Environment\n - Platform: linux"}]},
+        ],
+        "tools": [
+            {
+                "name": "DeferredToolPlaceholder",
+                "description": "Deferred tools are loaded with ToolSearch.",
+                "input_schema": {"type": "object", "properties": {}},
+                "defer_loading": True,
+            },
+            BASH_TOOL,
+        ],
+        "metadata": {"user_id": json.dumps(session, separators=(",", ":"))},
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "high"},
+    }
+
+
+def test_claude_codes_first_request_is_served(server: RealServer) -> None:
+    """Everything Claude Code's first request carries (found by capturing it): the beta query and
+    headers, system blocks with cache_control, a system turn inside `messages`, a deferred tool,
+    metadata, adaptive thinking with display "omitted", context_management, output_config.effort and a
+    max_tokens beyond the context (clamped: here 16 keeps the test short; the clamp has its own test)."""
+    headers = {
+        "authorization": f"Bearer {API_KEY}",
+        "anthropic-version": "2023-06-01",
+        "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27,"
+        "effort-2025-11-24,advanced-tool-use-2025-11-20",
+        "x-app": "cli",
+    }
+    body = {**_claude_code_body(server.model), "max_tokens": 16, "temperature": 0}
+    url = f"{server.url}/v1/messages?beta=true"
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=300) as reply:
+        assert reply.status_code == 200, reply.read()
+        events = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: ")]
+    assert [event["type"] for event in events][-2:] == ["message_delta", "message_stop"]
+    assert events[-2]["context_management"] == {"applied_edits": []}
+    assert events[-2]["delta"]["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
+    prompted = ("model", "system", "messages", "tools", "thinking", "context_management", "output_config")
+    count_body = {key: value for key, value in body.items() if key in prompted}
+    counted = httpx.post(
+        f"{server.url}/v1/messages/count_tokens?beta=true", json=count_body, headers=headers, timeout=60
+    )
+    assert counted.status_code == 200, counted.text
+    start = events[0]["message"]["usage"]
+    assert counted.json()["input_tokens"] == start["input_tokens"] + start["cache_read_input_tokens"]
+    # The deferred tool is not rendered: the prompt is the one with the Bash tool alone.
+    alone = {**count_body, "tools": [BASH_TOOL]}
+    recount = httpx.post(f"{server.url}/v1/messages/count_tokens", json=alone, headers=headers, timeout=60)
+    assert recount.json() == counted.json()
+
+
 # --- auth and errors ---------------------------------------------------------------------------------------------
 
 
@@ -299,7 +402,8 @@ def test_errors_are_in_anthropics_envelope(server: RealServer, client: anthropic
         ({"max_tokens": None}, "max_tokens"),
         ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
         ({"container": "c"}, "container"),
-        ({"output_config": {"effort": "high"}}, "output_config.effort"),
+        ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+        ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, "context_management"),
         ({"temperature": 1.5}, "temperature"),
         (
             {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
@@ -375,3 +479,93 @@ def test_thinking_blocks(thinking_server: ApiServer) -> None:
         assert final.content == message.content
         with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
             client.messages.create(**{**body, "thinking": {"type": "enabled", "budget_tokens": 100}})
+
+
+def test_max_tokens_beyond_the_context_is_clamped_to_the_room_left(thinking_server: ApiServer) -> None:
+    """Agents send their model's output limit (Claude Code: 32000) whatever the context: izh clamps it to
+    the room the prompt leaves, as vLLM and llama.cpp do, and a message that reaches the end of the
+    context ends with Anthropic's "model_context_window_exceeded"."""
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello " * 970}],
+        "max_tokens": 32000,
+        "temperature": 0,
+        "thinking": {"type": "disabled"},
+    }
+    counted = httpx.post(
+        f"{thinking_server.url}/v1/messages/count_tokens",
+        json={key: value for key, value in body.items() if key in ("model", "messages", "thinking")},
+        timeout=60,
+    )
+    room = 1024 - counted.json()["input_tokens"]
+    assert 0 < room < 64
+    reply = httpx.post(f"{thinking_server.url}/v1/messages", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    message = reply.json()
+    assert message["stop_reason"] == "model_context_window_exceeded"
+    assert message["usage"]["output_tokens"] == room
+    small = httpx.post(
+        f"{thinking_server.url}/v1/messages", json={**body, "max_tokens": 3}, timeout=300
+    ).json()
+    assert small["stop_reason"] == "max_tokens" and small["usage"]["output_tokens"] == 3
+    too_long = {**body, "messages": [{"role": "user", "content": "hello " * 2000}]}
+    refused = httpx.post(f"{thinking_server.url}/v1/messages", json=too_long, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_omitted_thinking_travels_sealed_in_the_signature(thinking_server: ApiServer) -> None:
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Think"}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "thinking": {"type": "adaptive", "display": "omitted"},
+    }
+    url = f"{thinking_server.url}/v1/messages"
+    message = httpx.post(url, json=body, timeout=300).json()
+    (block,) = message["content"]
+    assert block["type"] == "thinking" and block["thinking"] == "" and block["signature"]
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=300) as reply:
+        events = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: ")]
+    deltas = [event["delta"]["type"] for event in events if event["type"] == "content_block_delta"]
+    assert deltas == ["signature_delta"]
+    # Sent back, the block is read from its signature; a signature izh did not seal is a 400.
+    turns = [
+        *body["messages"],
+        {"role": "assistant", "content": [block]},
+        {"role": "user", "content": "Go on"},
+    ]
+    again = httpx.post(url, json={**body, "messages": turns, "max_tokens": 2}, timeout=300)
+    assert again.status_code == 200, again.text
+    forged = [
+        *body["messages"],
+        {"role": "assistant", "content": [{**block, "signature": "AAAA"}]},
+        turns[-1],
+    ]
+    refused = httpx.post(url, json={**body, "messages": forged}, timeout=60)
+    assert refused.status_code == 400
+    assert "messages.1.content.0.signature" in refused.json()["error"]["message"]
+
+
+def test_clear_thinking_reports_the_turns_it_cleared(thinking_server: ApiServer) -> None:
+    def turn(thought: str) -> dict[str, Any]:
+        return {"role": "assistant", "content": [{"type": "thinking", "thinking": thought, "signature": "s"}]}
+
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [
+            {"role": "user", "content": "a"},
+            turn("First thoughts about a."),
+            {"role": "user", "content": "b"},
+            turn("Second."),
+            {"role": "user", "content": "c"},
+        ],
+        "max_tokens": 2,
+        "context_management": {
+            "edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 1}}]
+        },
+    }
+    message = httpx.post(f"{thinking_server.url}/v1/messages", json=body, timeout=300).json()
+    (edit,) = message["context_management"]["applied_edits"]
+    assert edit["type"] == "clear_thinking_20251015" and edit["cleared_thinking_turns"] == 1
+    assert edit["cleared_input_tokens"] > 0

@@ -32,7 +32,9 @@ from tests.engine.fake_core import (
     BAD_TOKEN,
     CRASH_TOKEN,
     FOREVER_TOKEN,
+    GATE_TOKEN,
     HANG_TOKEN,
+    FakeEngineCore,
     write_options,
 )
 
@@ -92,7 +94,8 @@ def model_dir(tmp_path: Path, **options: object) -> str:
 async def start(
     tmp_path: Path, mode: str, recorder: Recorder, *, factory: str = FAKE, **options: Any
 ) -> EngineCoreClient:
-    heartbeat = {k: options.pop(k) for k in ("heartbeat_interval_s", "heartbeat_timeout_s") if k in options}
+    watch = ("heartbeat_interval_s", "heartbeat_timeout_s", "step_timeout_s")
+    heartbeat = {k: options.pop(k) for k in watch if k in options}
     config = EngineConfig(model=model_dir(tmp_path, **options))
     return await EngineCoreClient.start(
         config,
@@ -137,7 +140,8 @@ def test_ready_outputs_and_utilities(tmp_path: Path, mode: str) -> None:
             assert recorder.finished("a").finish_reason == "length"  # type: ignore[union-attr]
             first = recorder.outputs["a"][0]
             assert first.num_prompt_tokens == 3 and first.queued_ts > 0
-            assert await client.call_utility("ping") == "pong"
+            liveness = await client.call_utility("ping")  # answered between steps: none under way
+            assert liveness["step_running_s"] is None and liveness["num_steps"] >= 3
             stats, age_s = client.latest_stats()  # published with the last outputs: the core is idle
             assert stats is not None and age_s is not None and age_s >= 0
             assert stats.num_running == 0 and stats.num_generation_tokens == 4
@@ -321,16 +325,67 @@ def test_sigterm_at_any_moment_of_start_up_ends_the_core(tmp_path: Path) -> None
         ctx.destroy(linger=0)
 
 
-def test_hung_core_is_caught_by_the_heartbeat(tmp_path: Path) -> None:
+def test_a_step_longer_than_the_heartbeat_timeout_is_not_a_hung_core(tmp_path: Path) -> None:
+    """Each step takes 1 s, the heartbeat timeout is 0.3 s: the core's input thread answers the pings
+    during the steps, so the request finishes and the core lives."""
+
     async def body() -> None:
         recorder = Recorder()
         client = await start(
-            tmp_path, "process", recorder, heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5
+            tmp_path,
+            "process",
+            recorder,
+            step_delay_s=1.0,
+            heartbeat_interval_s=0.05,
+            heartbeat_timeout_s=0.3,
+        )
+        try:
+            client.send(add("slow", [5, 6]))
+            await recorder.until(lambda: recorder.finished("slow") is not None)
+            assert recorder.tokens("slow") == [5, 6]
+            assert not recorder.dead and not client.is_dead and client.is_responsive
+            assert await client.call_utility("ping") == {"num_steps": 2, "step_running_s": None}
+        finally:
+            await client.shutdown()
+
+    run(body())
+
+
+def test_a_heartbeat_during_a_step_says_how_long_it_has_run(tmp_path: Path) -> None:
+    async def body() -> None:
+        recorder = Recorder()
+        client = await start(tmp_path, "thread", recorder)
+        gate = FakeEngineCore.gates[client.config.model]
+        try:
+            client.send(add("held", [GATE_TOKEN, 3], max_tokens=1))
+            await asyncio.to_thread(gate.entered.wait, 20)
+            liveness = await client.call_utility("ping")  # the busy loop is inside the step
+            assert liveness["num_steps"] == 1 and liveness["step_running_s"] >= 0
+            gate.release.set()
+            await recorder.until(lambda: recorder.finished("held") is not None)
+            assert await client.call_utility("ping") == {"num_steps": 1, "step_running_s": None}
+        finally:
+            gate.release.set()
+            await client.shutdown()
+
+    run(body())
+
+
+def test_hung_step_is_caught_by_the_step_timeout(tmp_path: Path) -> None:
+    async def body() -> None:
+        recorder = Recorder()
+        client = await start(
+            tmp_path,
+            "process",
+            recorder,
+            heartbeat_interval_s=0.05,
+            heartbeat_timeout_s=0.5,
+            step_timeout_s=0.5,
         )
         try:
             client.send(add("hang", [1, HANG_TOKEN]))
             await recorder.until(lambda: bool(recorder.dead))
-            assert "heartbeat" in (client.dead_reason or "")
+            assert "one engine step has run for" in (client.dead_reason or "")
             pid = client.core_pid
         finally:
             await client.shutdown(timeout_s=0.5)  # it cannot read Shutdown: terminated

@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pydantic
 import pytest
 
-from izh.api.messages.convert import chat_request
+from izh.api.messages.convert import Conversion, chat_request
 from izh.api.messages.protocol import CountTokensRequest, MessagesRequest
+from izh.api.responses.reasoning import ReasoningSeal
 from izh.errors import InvalidRequest
 
 TOOL = {
@@ -182,8 +184,23 @@ def test_thinking() -> None:
         ({"tools": [{"name": "t"}]}, "tools.0.input_schema"),
         ({"tools": [{**TOOL, "input_examples": [{}]}]}, "tools.0.input_examples"),
         ({"tool_choice": {"type": "any"}}, "tool_choice"),
-        ({"output_config": {"effort": "low"}}, "output_config.effort"),
         ({"thinking": {"type": "enabled", "budget_tokens": 512}}, "thinking.budget_tokens"),
+        (
+            {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+            "context_management.edits.0.type",
+        ),
+        (
+            {"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": 2}]}},
+            "context_management.edits.0.keep",
+        ),
+        (
+            {"messages": [{"role": "system", "content": [{"type": "image", "source": {}}]}]},
+            "messages.0.content.0.type",
+        ),
+        (
+            {"tools": [{**TOOL, "defer_loading": True}], "tool_choice": {"type": "any"}},
+            "tool_choice",
+        ),
     ],
 )
 def test_what_izh_cannot_honour_names_its_field(fields: dict[str, Any], param: str) -> None:
@@ -219,3 +236,141 @@ def test_the_guard_bounds_messages_bodies_naming_their_fields() -> None:
         with pytest.raises(LimitExceeded) as refused:
             check({**base, **fields})
         assert refused.value.param == param
+
+
+def test_a_system_turn_in_the_conversation_stays_where_it_stands() -> None:
+    body = _body(
+        system="Be brief.",
+        messages=[
+            {"role": "user", "content": "Run it."},
+            {"role": "system", "content": [{"type": "text", "text": "# Environment", "cache_control": {}}]},
+            {"role": "assistant", "content": "Done."},
+            {"role": "system", "content": "Reminder."},
+        ],
+    )
+    chat = chat_request(body, reasoning=False)
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "Be brief."),
+        ("user", "Run it."),
+        ("system", "# Environment"),
+        ("assistant", "Done."),
+        ("system", "Reminder."),
+    ]
+
+
+def _thinking_turns(*thoughts: str) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    for index, thought in enumerate(thoughts):
+        messages.append({"role": "user", "content": f"q{index}"})
+        text = {"type": "text", "text": f"a{index}"}
+        messages.append({"role": "assistant", "content": [{"type": "thinking", "thinking": thought}, text]})
+    return [*messages, {"role": "user", "content": "last"}]
+
+
+@pytest.mark.parametrize(
+    ("keep", "kept"),
+    [
+        ("all", ["t0", "t1", "t2"]),
+        (None, [None, None, "t2"]),  # Anthropic's default: the latest turn
+        ({"type": "thinking_turns", "value": 2}, [None, "t1", "t2"]),
+        ({"type": "thinking_turns", "value": 5}, ["t0", "t1", "t2"]),
+    ],
+)
+def test_clear_thinking_keeps_the_latest_turns(keep: Any, kept: list[str | None]) -> None:
+    edit: dict[str, Any] = {"type": "clear_thinking_20251015"} | ({"keep": keep} if keep is not None else {})
+    body = _body(messages=_thinking_turns("t0", "t1", "t2"), context_management={"edits": [edit]})
+    conversion = Conversion()
+    chat = chat_request(body, reasoning=True, conversion=conversion)
+    assistants = [m for m in chat.messages if m.role == "assistant"]
+    assert [m.reasoning_content for m in assistants] == kept
+    assert [m.content for m in assistants] == ["a0", "a1", "a2"]
+    assert conversion.context_edits
+    assert conversion.cleared_thinking == [
+        t for t, k in zip(["t0", "t1", "t2"], kept, strict=True) if k is None
+    ]
+
+
+def test_without_context_edits_every_thinking_stays() -> None:
+    conversion = Conversion()
+    chat = chat_request(_body(messages=_thinking_turns("t0", "t1")), reasoning=True, conversion=conversion)
+    assert [m.reasoning_content for m in chat.messages if m.role == "assistant"] == ["t0", "t1"]
+    assert conversion == Conversion()
+
+
+def test_deferred_tools_are_rendered_once_a_tool_reference_loads_them() -> None:
+    placeholder = {"name": "Placeholder", "description": "x", "input_schema": TOOL["input_schema"]}
+    tools = [
+        {**placeholder, "defer_loading": True},
+        {**TOOL, "defer_loading": True},
+        {**TOOL, "name": "Bash"},
+    ]
+    first = chat_request(_body(messages=[{"role": "user", "content": "x"}], tools=tools), reasoning=False)
+    assert [tool.function.name for tool in first.tools or []] == ["Bash"]
+    loaded = _body(
+        tools=tools,
+        messages=[
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {}}]},
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t1",
+                        "content": [{"type": "tool_reference", "tool_name": "get_weather"}],
+                    }
+                ],
+            },
+        ],
+    )
+    chat = chat_request(loaded, reasoning=False)
+    assert [tool.function.name for tool in chat.tools or []] == ["get_weather", "Bash"]
+    assert chat.messages[-1].role == "tool" and chat.messages[-1].content == "Tool loaded: get_weather"
+    only_deferred = _body(
+        messages=[{"role": "user", "content": "x"}], tools=tools[:2], tool_choice={"type": "auto"}
+    )
+    none_loaded = chat_request(only_deferred, reasoning=False)
+    assert none_loaded.tools is None and none_loaded.tool_choice is None
+
+
+def test_omitted_thinking_is_read_back_from_its_sealed_signature() -> None:
+    seal = ReasoningSeal.generated()
+
+    def body(block: dict[str, Any]) -> MessagesRequest:
+        return _body(
+            messages=[
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": [block, {"type": "text", "text": "a"}]},
+                {"role": "user", "content": "again"},
+            ]
+        )
+
+    omitted = {"type": "thinking", "thinking": "", "signature": seal.seal("I thought.")}
+    chat = chat_request(body(omitted), reasoning=True, open_signature=seal.open)
+    assert chat.messages[1].reasoning_content == "I thought."
+    forged = {"type": "thinking", "thinking": "", "signature": ReasoningSeal.generated().seal("Other.")}
+    with pytest.raises(InvalidRequest) as refused:
+        chat_request(body(forged), reasoning=True, open_signature=seal.open)
+    assert refused.value.param == "messages.1.content.0.signature"
+    # A block that carries its text is taken as it is, whatever its signature.
+    shown = {"type": "thinking", "thinking": "Shown.", "signature": "not ours"}
+    assert chat_request(body(shown), reasoning=True, open_signature=seal.open).messages[
+        1
+    ].reasoning_content == ("Shown.")
+
+
+def test_claude_codes_fields_are_accepted() -> None:
+    body = _body(
+        max_tokens=32000,
+        messages=[{"role": "user", "content": "x"}],
+        metadata={"user_id": json.dumps({"device_id": "d" * 64, "account_uuid": "", "session_id": "s" * 36})},
+        thinking={"type": "adaptive", "display": "omitted"},
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        output_config={"effort": "high"},
+    )
+    chat = chat_request(body, reasoning=False)
+    assert chat.max_tokens == 32000 and chat.response_format is None
+    for display in ("summarized", "highlights", "updates"):  # "updates": claude -p with stream-json
+        _body(messages=[{"role": "user", "content": "x"}], thinking={"type": "adaptive", "display": display})
+    with pytest.raises(pydantic.ValidationError, match=r"output_config\.effort"):
+        _body(messages=[{"role": "user", "content": "x"}], output_config={"effort": "extreme"})

@@ -594,3 +594,16 @@ def test_speculative_config_json_and_section() -> None:
     ]:
         with pytest.raises(SettingsError, match=re.escape(message)):
             load_settings(overrides={"speculative.config": config}, env={})
+
+
+def test_override_generation_config_is_a_checked_json_object() -> None:
+    settings = load_settings(overrides={"server.override_generation_config": '{"temperature": 0}'}, env={})
+    assert settings.server.override_generation_config == '{"temperature": 0}'
+    for bad, words in (
+        ("[1]", "expected a JSON object"),
+        ('{"temprature": 0}', "unknown key 'temprature'"),
+        ('{"temperature": "hot"}', "temperature must be a number"),
+        ("{", "not JSON"),
+    ):
+        with pytest.raises(SettingsError, match=r"server\.override_generation_config: .*" + re.escape(words)):
+            load_settings(overrides={"server.override_generation_config": bad}, env={})

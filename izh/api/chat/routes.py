@@ -114,13 +114,15 @@ async def prepare_chat(
     response_id: str,
     prompt_param: str = "messages",
     lora_name: str | None = None,
+    clamp_output_length: bool = False,
 ) -> PreparedChat:
     """Everything before the first byte: the template, tools and constraints, the sampling params and
     the admission of every child (ids `{response_id}-{i}`), each of which can refuse the request.
 
     The chat route's, and the Responses route's on the chat request its body maps to; the input
     processor names `prompt_param` in its refusals (context length). `lora_name`: the LoRA adapter the
-    request runs with (from `state.check_model`), also the response's `model`.
+    request runs with (from `state.check_model`), also the response's `model`. `clamp_output_length`:
+    max_tokens is clamped to the room the prompt leaves (the Messages API's policy).
     """
     check_can_generate(state)
     check_chat_request(body)
@@ -165,7 +167,9 @@ async def prepare_chat(
             prompt_text=prompt.text,
             starts_in_reasoning=ctx.starts_in_reasoning,
         )
-    params = chat_sampling_params(state, body, len(prompt.token_ids), constraint)
+    params = chat_sampling_params(
+        state, body, len(prompt.token_ids), constraint, clamp_output_length=clamp_output_length
+    )
     children = await admit(
         state,
         ctx.id,

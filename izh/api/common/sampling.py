@@ -112,13 +112,20 @@ def build_sampling_params(
 
 
 def chat_sampling_params(
-    state: ApiState, body: ChatCompletionRequest, num_prompt_tokens: int, constraint: Constraint | None
+    state: ApiState,
+    body: ChatCompletionRequest,
+    num_prompt_tokens: int,
+    constraint: Constraint | None,
+    clamp_output_length: bool = False,
 ) -> SamplingParams:
-    """A chat request's params: max_completion_tokens (or the older max_tokens) beside the messages."""
+    """A chat request's params: max_completion_tokens (or the older max_tokens) beside the messages.
+
+    `clamp_output_length` (Anthropic's Messages API): the requested length is clamped to the room the
+    prompt leaves, as a default is, instead of refused when it does not fit."""
     requested = requested_output_length(body)
     max_tokens = resolve_max_tokens(
         requested[1] if requested is not None else None,
-        explicit=requested is not None,
+        explicit=requested is not None and not clamp_output_length,
         default=state.sampling_defaults.get("max_tokens"),
         room=context_room(state.max_model_len, num_prompt_tokens),
     )

@@ -1,18 +1,25 @@
 """An Anthropic Messages request → the chat request it means (izh.api.protocol.ChatCompletionRequest),
 so that chat's `prepare_chat` renders, constrains and admits it and chat's parsers read its output.
 
-- `system` (a string or text blocks) → a system message first;
+- `system` (a string or text blocks) → a system message first; a `system` turn within `messages` → a
+  system message where it stands;
 - a user message's text and image blocks → a user message of text and image_url parts (base64 sources
   as data URLs, url sources as they are: izh.api.images allows them only with
   `limits.allow_remote_images`); its `tool_result` blocks → tool messages, in order (text content only;
   `is_error` results start with "Error: ");
 - an assistant message's text → content, `tool_use` blocks → tool calls (their ids kept), `thinking`
-  blocks → reasoning_content;
-- `tools` (custom tools: name, description, input_schema) → function tools; `tool_choice` auto → auto,
+  blocks → reasoning_content (an empty one, as `display: "omitted"` returns them, is read back from
+  its sealed `signature`);
+- `context_management.edits`: `clear_thinking_20251015` drops the thinking of all but the `keep` most
+  recent assistant turns (default 1; "all" keeps every one) before rendering; other edits are a 400;
+- `tools` (custom tools: name, description, input_schema) → function tools, except those with
+  `defer_loading` (left out of the prompt, as Anthropic leaves them out of the model's context) until a
+  `tool_reference` block in a tool result names one (the client's tool search loaded it); `tool_choice` auto → auto,
   any → required, tool → the named function, none → none; `disable_parallel_tool_use` →
   parallel_tool_calls false;
 - `stop_sequences` → stop, `max_tokens`, `temperature`, `top_p`, `top_k` as they are;
-- `output_config.format` (a JSON schema) → response_format json_schema (grammar-enforced); `effort` → 400;
+- `output_config.format` (a JSON schema) → response_format json_schema (grammar-enforced); `effort`
+  changes nothing (izh sets no thinking budget: izh.api.messages.protocol.OutputConfig);
 - `thinking` disabled → the template's `enable_thinking: false` (Qwen3's switch); adaptive → the
   model's default. Enabled needs a reasoning model (a reasoning parser): else a 400. Its `budget_tokens`
   is checked as Anthropic checks it (at least 1024, below max_tokens); izh bounds thinking and answer
@@ -25,6 +32,8 @@ prefix whatever the client marks. Every other block type, tool type or field is 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic
@@ -47,6 +56,23 @@ from izh.errors import InvalidRequest
 
 MIN_THINKING_BUDGET_TOKENS = 1024
 """Anthropic's lower bound on thinking.budget_tokens."""
+CLEAR_THINKING = "clear_thinking_20251015"
+"""The context edit that drops old thinking (Anthropic's name, versioned by date)."""
+
+OpenSignature = Callable[[str, str], str]
+"""Opens a thinking block's sealed signature (token, param) into its text; a 400 when it is not izh's."""
+
+
+@dataclass(slots=True)
+class Conversion:
+    """What converting a body found beyond the chat request: the thinking a context edit cleared."""
+
+    cleared_thinking: list[str] = field(default_factory=list)
+    """The thinking texts `clear_thinking_20251015` dropped, one per cleared assistant turn."""
+    context_edits: bool = False
+    """The body asked for context edits (its response then reports `context_management`)."""
+
+
 _HINT_KEYS = frozenset({"cache_control"})
 """Keys any block or tool may carry that change nothing here."""
 
@@ -123,19 +149,52 @@ def _tool_result(block: dict[str, Any], param: str) -> ChatMessageParam:
     if isinstance(content, list):
         texts = []
         for index, value in enumerate(content):
-            part = _block(value, f"{param}.content.{index}")
+            where = f"{param}.content.{index}"
+            part = _block(value, where)
+            if part["type"] == "tool_reference":
+                texts.append(f"Tool loaded: {_tool_reference(part, where)}")
+                continue
             if part["type"] != "text":
                 raise unsupported(
-                    f"{param}.content.{index}.type",
-                    f"tool results may hold text blocks only, got {part['type']!r}",
+                    f"{where}.type",
+                    f"tool results may hold text and tool_reference blocks only, got {part['type']!r}",
                 )
-            texts.append(_text_of(part, f"{param}.content.{index}"))
+            texts.append(_text_of(part, where))
         content = "\n".join(texts)
     if not isinstance(content, str):
         raise InvalidRequest(f"{param}.content: expected a string or text blocks", param=f"{param}.content")
     if block.get("is_error"):
         content = f"Error: {content}"
     return ChatMessageParam(role="tool", content=content, tool_call_id=tool_use_id)
+
+
+def _tool_reference(block: dict[str, Any], param: str) -> str:
+    """The tool a tool_reference block loads (a deferred tool, rendered from then on)."""
+    _check_keys(block, {"type", "tool_name"}, param)
+    name = block.get("tool_name")
+    if not isinstance(name, str):
+        raise InvalidRequest(f"{param}.tool_name: expected the tool's name", param=f"{param}.tool_name")
+    return name
+
+
+def _referenced_tools(messages: list[MessageParam]) -> set[str]:
+    """The tools named by tool_reference blocks in the conversation's tool results."""
+    names: set[str] = set()
+    for message in messages:
+        if isinstance(message.content, str):
+            continue
+        for block in message.content:
+            content = block.get("content") if isinstance(block, dict) else None
+            if block.get("type") != "tool_result" or not isinstance(content, list):
+                continue
+            names |= {
+                part["tool_name"]
+                for part in content
+                if isinstance(part, dict)
+                and part.get("type") == "tool_reference"
+                and isinstance(part.get("tool_name"), str)
+            }
+    return names
 
 
 def _user_messages(message: MessageParam, param: str) -> list[ChatMessageParam]:
@@ -167,9 +226,39 @@ def _user_messages(message: MessageParam, param: str) -> list[ChatMessageParam]:
     return out
 
 
-def _assistant_message(message: MessageParam, param: str) -> ChatMessageParam:
+def _system_message(message: MessageParam, param: str) -> ChatMessageParam:
+    """A system turn within the conversation (a string or text blocks)."""
     if isinstance(message.content, str):
-        return ChatMessageParam(role="assistant", content=message.content)
+        return ChatMessageParam(role="system", content=message.content)
+    texts = []
+    for index, value in enumerate(message.content):
+        where = f"{param}.content.{index}"
+        block = _block(value, where)
+        if block["type"] != "text":
+            raise unsupported(f"{where}.type", f"system turns hold text blocks only, got {block['type']!r}")
+        texts.append(_text_of(block, where))
+    return ChatMessageParam(role="system", content="\n".join(texts))
+
+
+def _thinking_text(block: dict[str, Any], where: str, open_signature: OpenSignature | None) -> str:
+    """A thinking block's text; an empty one (display "omitted") is read back from its signature."""
+    _check_keys(block, {"type", "thinking", "signature"}, where)
+    text = block.get("thinking")
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{where}.thinking: expected a string", param=f"{where}.thinking")
+    signature = block.get("signature")
+    if not text and isinstance(signature, str) and signature and open_signature is not None:
+        return open_signature(signature, f"{where}.signature")
+    return text
+
+
+def _assistant_message(
+    message: MessageParam, param: str, open_signature: OpenSignature | None, keep_thinking: bool
+) -> tuple[ChatMessageParam, str | None]:
+    """The chat message, and the thinking dropped from it when `keep_thinking` is False (a context
+    edit cleared it; None when there was none)."""
+    if isinstance(message.content, str):
+        return ChatMessageParam(role="assistant", content=message.content), None
     texts: list[str] = []
     thoughts: list[str] = []
     calls: list[ToolCallParam] = []
@@ -180,10 +269,7 @@ def _assistant_message(message: MessageParam, param: str) -> ChatMessageParam:
         if kind == "text":
             texts.append(_text_of(block, where))
         elif kind == "thinking":
-            _check_keys(block, {"type", "thinking", "signature"}, where)
-            if not isinstance(block.get("thinking"), str):
-                raise InvalidRequest(f"{where}.thinking: expected a string", param=f"{where}.thinking")
-            thoughts.append(block["thinking"])
+            thoughts.append(_thinking_text(block, where, open_signature))
         elif kind == "tool_use":
             _check_keys(block, {"type", "id", "name", "input"}, where)
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
@@ -202,29 +288,79 @@ def _assistant_message(message: MessageParam, param: str) -> ChatMessageParam:
                 f"{where}.type",
                 f"assistant content blocks of type {kind!r} are not supported (text, thinking, tool_use)",
             )
-    return ChatMessageParam(
+    thinking = "".join(thoughts) if thoughts else None
+    dropped = None if keep_thinking else thinking
+    chat = ChatMessageParam(
         role="assistant",
         content="".join(texts),
         tool_calls=calls or None,
-        reasoning_content="".join(thoughts) if thoughts else None,
+        reasoning_content=thinking if keep_thinking else None,
     )
+    return chat, dropped
 
 
-def chat_messages(body: CountTokensRequest | MessagesRequest) -> list[ChatMessageParam]:
+def _thinking_turns_kept(body: CountTokensRequest | MessagesRequest) -> int | None:
+    """How many of the latest assistant turns keep their thinking (None: all), by the body's
+    `clear_thinking_20251015` edit; any other edit is a 400."""
+    config = body.context_management
+    kept: int | None = None
+    for index, edit in enumerate(config.edits if config is not None else []):
+        param = f"context_management.edits.{index}"
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if kind != CLEAR_THINKING:
+            raise unsupported(
+                f"{param}.type", f"context edits of type {kind!r} are not supported here ({CLEAR_THINKING})"
+            )
+        _check_keys(edit, {"type", "keep"}, param)
+        keep = edit.get("keep")
+        if keep is None:
+            keep = {"type": "thinking_turns", "value": 1}  # Anthropic's default: the latest turn
+        if keep == "all":
+            continue
+        value = keep.get("value") if isinstance(keep, dict) and keep.get("type") == "thinking_turns" else None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InvalidRequest(
+                f'{param}.keep: expected "all" or {{"type": "thinking_turns", "value": N}} with N >= 1',
+                param=f"{param}.keep",
+            )
+        kept = value if kept is None else min(kept, value)
+    return kept
+
+
+def chat_messages(
+    body: CountTokensRequest | MessagesRequest,
+    open_signature: OpenSignature | None = None,
+    conversion: Conversion | None = None,
+) -> list[ChatMessageParam]:
+    """The conversation as chat messages; `conversion` collects the thinking a context edit cleared."""
     messages: list[ChatMessageParam] = []
     system = system_text(body.system)
     if system is not None:
         messages.append(ChatMessageParam(role="system", content=system))
+    kept_turns = _thinking_turns_kept(body)
+    assistant_indexes = [i for i, message in enumerate(body.messages) if message.role == "assistant"]
+    keep_from = (
+        0 if kept_turns is None or kept_turns >= len(assistant_indexes) else assistant_indexes[-kept_turns]
+    )
     for index, message in enumerate(body.messages):
         param = f"messages.{index}"
         if message.role == "user":
             messages.extend(_user_messages(message, param))
+        elif message.role == "system":
+            messages.append(_system_message(message, param))
         else:
-            messages.append(_assistant_message(message, param))
+            chat, dropped = _assistant_message(message, param, open_signature, index >= keep_from)
+            messages.append(chat)
+            if dropped is not None and conversion is not None:
+                conversion.cleared_thinking.append(dropped)
     return messages
 
 
-def chat_tools(tools: list[dict[str, Any]] | None) -> list[ToolParam] | None:
+def chat_tools(
+    tools: list[dict[str, Any]] | None, loaded: set[str] | frozenset[str] = frozenset()
+) -> list[ToolParam] | None:
+    """The function tools to render: every custom tool but a deferred one (`defer_loading`) that no
+    tool_reference has `loaded`."""
     if not tools:
         return None
     out: list[ToolParam] = []
@@ -237,8 +373,20 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[ToolParam] | None:
             )
         # eager_input_streaming: izh always streams a call's input as it is written.
         _check_keys(
-            tool, {"type", "name", "description", "input_schema", "strict", "eager_input_streaming"}, param
+            tool,
+            {
+                "type",
+                "name",
+                "description",
+                "input_schema",
+                "strict",
+                "eager_input_streaming",
+                "defer_loading",
+            },
+            param,
         )
+        if tool.get("defer_loading") is True and tool.get("name") not in loaded:
+            continue
         try:
             function = FunctionDefinition.model_validate(
                 {
@@ -259,7 +407,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[ToolParam] | None:
                 f"{param}.input_schema: a tool needs an input_schema", param=f"{param}.input_schema"
             )
         out.append(ToolParam(function=function))
-    return out
+    return out or None
 
 
 def chat_tool_choice(
@@ -320,22 +468,35 @@ def check_thinking(body: CountTokensRequest | MessagesRequest, reasoning: bool) 
 
 def _response_format(body: CountTokensRequest | MessagesRequest) -> ResponseFormat | None:
     config = body.output_config
-    if config is None:
-        return None
-    if config.effort is not None:
-        raise unsupported("output_config.effort", "effort cannot be controlled for this model")
-    if config.format is None:
+    if config is None or config.format is None:
         return None
     schema = JsonSchemaFormat.model_validate({"name": "output", "schema": config.format.schema_})
     return ResponseFormat(type="json_schema", json_schema=schema)
 
 
-def chat_request(body: CountTokensRequest | MessagesRequest, reasoning: bool) -> ChatCompletionRequest:
-    """The chat request `body` means (`reasoning`: the server parses the model's thinking)."""
-    tools = chat_tools(body.tools)
-    tool_choice, parallel = chat_tool_choice(body.tool_choice, tools is not None)
+def chat_request(
+    body: CountTokensRequest | MessagesRequest,
+    reasoning: bool,
+    open_signature: OpenSignature | None = None,
+    conversion: Conversion | None = None,
+) -> ChatCompletionRequest:
+    """The chat request `body` means (`reasoning`: the server parses the model's thinking;
+    `open_signature` reads back thinking sent with display "omitted"; `conversion` collects what
+    the context edits cleared)."""
+    tools = chat_tools(body.tools, _referenced_tools(body.messages))
+    tool_choice, parallel = chat_tool_choice(body.tool_choice, bool(body.tools))
+    if tools is None and tool_choice is not None:
+        # Every tool is deferred and none loaded yet: nothing to call.
+        if tool_choice not in ("auto", "none"):
+            raise InvalidRequest(
+                "tool_choice: every tool is deferred (defer_loading) and none is loaded yet",
+                param="tool_choice",
+            )
+        tool_choice, parallel = None, None
+    if conversion is not None:
+        conversion.context_edits = body.context_management is not None
     fields: dict[str, Any] = {
-        "messages": chat_messages(body),
+        "messages": chat_messages(body, open_signature, conversion),
         "tools": tools,
         "tool_choice": tool_choice,
         "parallel_tool_calls": parallel,

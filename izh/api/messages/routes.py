@@ -11,6 +11,7 @@ events. count_tokens renders the same prompt and counts it, admitting nothing. A
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -31,7 +32,7 @@ from izh.api.common.state import (
     read_json,
     request_id_of,
 )
-from izh.api.messages.convert import chat_request
+from izh.api.messages.convert import CLEAR_THINKING, Conversion, chat_request
 from izh.api.messages.protocol import CountTokensRequest, MessagesRequest
 from izh.api.messages.stream import (
     MessageContext,
@@ -68,18 +69,30 @@ async def create_message(request: Request) -> Response:
     body = await _read(request, MessagesRequest)
     lora_name = check_model(state, body.model)
     check_can_generate(state)
-    chat_body = chat_request(body, reasoning=state.reasoning_parser is not None)
+    conversion = Conversion()
+    chat_body = chat_request(
+        body,
+        reasoning=state.reasoning_parser is not None,
+        open_signature=state.reasoning_seal.open,
+        conversion=conversion,
+    )
     request_id = request_id_of(request)
     message_id = new_message_id()
-    chat = await prepare_chat(state, chat_body, request_id, message_id, lora_name=lora_name)
+    chat = await prepare_chat(
+        state, chat_body, request_id, message_id, lora_name=lora_name, clamp_output_length=True
+    )
     state.metrics.on_api_request(1, "/v1/messages")
     if body.metadata is not None and body.metadata.user_id:
         logger.info("[%s] messages: metadata.user_id %s", request_id, body.metadata.user_id)
+    omitted = body.thinking is not None and body.thinking.display == "omitted"
     ctx = MessageContext(
         id=message_id,
         model=body.model,
         chat=chat.ctx,
         stop_sequences=tuple(body.stop_sequences or ()),
+        max_tokens=body.max_tokens,
+        seal_thinking=state.reasoning_seal.seal if omitted else None,
+        context_management=_applied_edits(state, conversion),
     )
     children = chat.children
     if body.stream:
@@ -98,6 +111,24 @@ async def create_message(request: Request) -> Response:
     )
 
 
+def _applied_edits(state: ApiState, conversion: Conversion) -> dict[str, Any] | None:
+    """The response's `context_management`: the context edits that cleared something (Anthropic's
+    shape; the cleared tokens counted as the thinking's own text tokenizes)."""
+    if not conversion.context_edits:
+        return None
+    cleared = conversion.cleared_thinking
+    if not cleared:
+        return {"applied_edits": []}
+    tokenizer = state.llm.tokenizer
+    num_tokens = sum(len(tokenizer.encode(text, add_special_tokens=False)) for text in cleared)
+    edit = {
+        "type": CLEAR_THINKING,
+        "cleared_thinking_turns": len(cleared),
+        "cleared_input_tokens": num_tokens,
+    }
+    return {"applied_edits": [edit]}
+
+
 async def _collected(ctx: MessageContext, children: list[Child]) -> JSONResponse:
     return JSONResponse(await collect_message(ctx, children))
 
@@ -112,7 +143,9 @@ async def count_tokens(request: Request) -> Response:
 
 
 async def count_prompt_tokens(state: ApiState, body: CountTokensRequest) -> int:
-    chat_body = chat_request(body, reasoning=state.reasoning_parser is not None)
+    chat_body = chat_request(
+        body, reasoning=state.reasoning_parser is not None, open_signature=state.reasoning_seal.open
+    )
     tool_choice = effective_tool_choice(chat_body)
     tools_on = bool(chat_body.tools) and tool_choice != "none"
     image_processor = state.llm.image_processor

@@ -13,6 +13,11 @@ message_delta (stop_reason, stop_sequence, usage); message_stop. A failure after
 usage: `input_tokens` are the prompt's tokens the prefix cache did not serve, `cache_read_input_tokens`
 those it served (Anthropic's split); nothing is ever written to a cache on request
 (`cache_creation_input_tokens` 0).
+
+stop_reason: "max_tokens" at the request's max_tokens, "model_context_window_exceeded" when the
+generation stopped earlier at the end of the context (max_tokens is clamped to the room the prompt
+leaves, as Anthropic's API does). Thinking with display "omitted": no thinking_delta events, the
+block's `thinking` empty and its `signature` the text sealed (izh.api.responses.reasoning.ReasoningSeal).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import hmac
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +78,12 @@ class MessageContext:
     model: str
     chat: ChatContext
     stop_sequences: tuple[str, ...] = ()
+    max_tokens: int | None = None
+    """The max_tokens asked for (a length stop below it is the end of the context)."""
+    seal_thinking: Callable[[str], str] | None = None
+    """Thinking display "omitted": seals a thinking block's text into its signature."""
+    context_management: dict[str, Any] | None = None
+    """The response's `context_management` (the edits applied), when the request asked for edits."""
 
 
 @dataclass(slots=True)
@@ -83,9 +94,11 @@ class _Block:
     id: str = ""
     name: str = ""
 
-    def body(self) -> dict[str, Any]:
+    def body(self, seal_thinking: Callable[[str], str] | None) -> dict[str, Any]:
         text = "".join(self.parts)
         if self.kind == "thinking":
+            if seal_thinking is not None:
+                return {"type": "thinking", "thinking": "", "signature": seal_thinking(text)}
             return {"type": "thinking", "thinking": text, "signature": thinking_signature(text)}
         if self.kind == "text":
             return {"type": "text", "text": text}
@@ -167,6 +180,8 @@ class MessageBuilder:
     def _thinking(self, text: str) -> None:
         block = self._open_block("thinking")
         block.parts.append(text)
+        if self.ctx.seal_thinking is not None:
+            return  # display "omitted": the text travels sealed in the signature only
         self._send(
             "content_block_delta",
             {"index": block.index, "delta": {"type": "thinking_delta", "thinking": text}},
@@ -204,19 +219,22 @@ class MessageBuilder:
         if block is None or not self.emit:
             return
         if block.kind == "thinking":
-            signature = thinking_signature("".join(block.parts))
+            signature = block.body(self.ctx.seal_thinking)["signature"]
             self._send(
                 "content_block_delta",
                 {"index": block.index, "delta": {"type": "signature_delta", "signature": signature}},
             )
         self._send("content_block_stop", {"index": block.index})
 
-    def _stop(self) -> tuple[str, str | None]:
+    def _stop(self, output_tokens: int) -> tuple[str, str | None]:
         """Anthropic's (stop_reason, stop_sequence) for how the generation ended."""
         reason = self.finish_reason
         if reason == "tool_calls":
             return "tool_use", None
         if reason == "length":
+            requested = self.ctx.max_tokens
+            if requested is not None and output_tokens < requested:
+                return "model_context_window_exceeded", None
             return "max_tokens", None
         if reason == "stop":
             matched = self.stop_reason
@@ -233,7 +251,7 @@ class MessageBuilder:
         usage: UsageCounter,
         output_tokens: int,
     ) -> dict[str, Any]:
-        return {
+        message = {
             "id": self.ctx.id,
             "type": "message",
             "role": "assistant",
@@ -243,20 +261,23 @@ class MessageBuilder:
             "stop_sequence": stop_sequence,
             "usage": usage_json(usage, output_tokens),
         }
+        if stop_reason is not None and self.ctx.context_management is not None:
+            message["context_management"] = self.ctx.context_management
+        return message
 
     def finish(self, usage: UsageCounter) -> dict[str, Any]:
         """The final Message (and, streaming, message_delta and message_stop)."""
-        stop_reason, stop_sequence = self._stop()
         output_tokens = usage.usage().completion_tokens
-        self._send(
-            "message_delta",
-            {
-                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                "usage": usage_json(usage, output_tokens),
-            },
-        )
+        stop_reason, stop_sequence = self._stop(output_tokens)
+        delta: dict[str, Any] = {
+            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+            "usage": usage_json(usage, output_tokens),
+        }
+        if self.ctx.context_management is not None:
+            delta["context_management"] = self.ctx.context_management
+        self._send("message_delta", delta)
         self._send("message_stop", {})
-        content = [block.body() for block in self.blocks]
+        content = [block.body(self.ctx.seal_thinking) for block in self.blocks]
         return self._message(content, stop_reason, stop_sequence, usage, output_tokens)
 
 
