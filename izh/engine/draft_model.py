@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 
 _DECODE_TAIL = 4
 """A catch-up's last tokens run as single-token decode rows (more run as prefill chunks first)."""
+_CATCH_UP_PER_TOKEN_LEFT = 4
+"""A request drafts only while its catch-up is at most this many tokens per output token it may still
+produce: a draft prefill of a long context pays off over many drafted steps, not over a few (the tail of a
+big batch, whose drafting paused while it ran, would otherwise prefill every context at once)."""
 
 
 @dataclass(slots=True)
@@ -161,6 +165,12 @@ class DraftModelProposer:
         self.draft_probs: dict[str, torch.Tensor] = {}
         """The last round's q [num_drafts, vocab] per random request, for the next step's verification."""
         logger.info("draft model %s loaded (%d drafts per step)", path, spec.num_speculative_tokens)
+
+    def worth_drafting(self, request: Request) -> bool:
+        """Whether the tokens the draft must catch up on are few enough for what the request has left."""
+        catch_up = request.num_tokens - self._valid_prefix(request)
+        left = request.max_tokens - request.num_output_tokens
+        return catch_up <= _DECODE_TAIL or catch_up <= _CATCH_UP_PER_TOKEN_LEFT * left
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
