@@ -297,6 +297,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--streams-max-tokens", type=int, default=128)
     parser.add_argument("--skip-streams", action="store_true")
+    parser.add_argument("--skip-single", action="store_true")
     parser.add_argument("--workload", choices=["edit", "write"], default="edit")
     parser.add_argument("--llama-server", default=None, help="also measure this llama-server binary")
     parser.add_argument("--llama-draft", default=None, help="llama-server's -md draft model file")
@@ -325,6 +326,8 @@ def main() -> None:
         for round_index in range(args.rounds):
             order = ["base", "spec"] if round_index % 2 == 0 else ["spec", "base"]
             for name in [*order, "llama"] if "llama" in servers else order:
+                if args.skip_single:
+                    break
                 result = asyncio.run(one_stream(servers[name][1], single_work, args.max_tokens))
                 runs[name]["single"].append(result)
                 print(f"round {round_index} {name} 1 stream: {result['output_tok_s']:.1f} out tok/s, "
@@ -370,7 +373,9 @@ def main() -> None:
             else None
         ),
         "rounds": args.rounds,
-        "single": {
+        "single": {}
+        if args.skip_single
+        else {
             **summary("single", "output_tok_s"),
             "decode": summary("single", "decode_tok_s"),
             "identical_text": identical_single,

@@ -299,7 +299,8 @@ class EngineCore:
         kv = self.kv_cache_manager
         batch = []
         for request, num_drafts in wanted:
-            if not draft.worth_drafting(request) or kv.allocate_slots(request, num_drafts) is None:
+            block_ids = kv.get_block_ids(request.request_id)
+            if not draft.worth_drafting(request, block_ids) or kv.allocate_slots(request, num_drafts) is None:
                 continue
             generator = self.runner.generator(request.request_id, request.sampling_params)
             batch.append(DraftRequest(request, num_drafts, kv.get_block_ids(request.request_id), generator))

@@ -24,9 +24,14 @@ penalties), else a sample of its distribution q under the request's sampling par
 request's generator; q is kept for verification (izh.engine.spec_decode.verify_random: accept with
 min(1, p / q), resample max(p - q, 0) on rejection), so the output distribution stays the target's.
 
-A request preempted since its last round, or new, starts from position 0: its blocks are new, or prefix
-hits whose draft KV another request may never have computed. LoRA adapters apply to the target only (the
-draft proposes as the base model; verification keeps the adapter's tokens exact).
+Prefix caching. A block's target KV may be cached by a request whose draft never computed it (drafting
+paused, opted out, finished first), so a prefix hit does not vouch for the draft's KV. `_block_marks` does:
+block id -> the chain hash of the tokens the draft computed in all of that block's slots, from a valid
+prefix. A request new to the draft (or preempted since its last round) starts after its leading blocks
+whose mark is their hash (the same tokens after the same prefix: the same draft KV), else from 0. A block
+the draft writes unverified drafts into loses its mark (those slots may end up holding another token).
+LoRA adapters apply to the target only (the draft proposes as the base model; verification keeps the
+adapter's tokens exact).
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ class _DraftState:
     """Leading positions whose draft KV was computed from the request's own tokens."""
     fed: list[int] = field(default_factory=list)
     """Draft tokens fed at positions num_valid, num_valid + 1, ...: valid where the request kept them."""
+    num_marked: int = 0
+    """Leading blocks of the request marked in `_block_marks`."""
 
 
 @dataclass(slots=True)
@@ -141,12 +148,13 @@ class DraftModelProposer:
         if target.is_encoder or target.model_config.vision is not None:
             raise ModelLoadError("a draft model drafts for a text-only generative model")
         path = resolve_draft_path(config)
+        draft_model_config = load_model_config(path)
         check_same_vocabulary(
-            target_tokenizer, load_tokenizer(path), target.vocab_size, load_model_config(path).vocab_size
+            target_tokenizer, load_tokenizer(path), target.vocab_size, draft_model_config.vocab_size
         )
-        if load_model_config(path).max_position_embeddings < target.max_model_len:
+        if draft_model_config.max_position_embeddings < target.max_model_len:
             raise ModelLoadError(
-                f"the draft model's context ({load_model_config(path).max_position_embeddings} tokens) is "
+                f"the draft model's context ({draft_model_config.max_position_embeddings} tokens) is "
                 f"shorter than max_model_len {target.max_model_len}; lower --max-model-len"
             )
         draft_config = dataclasses.replace(
@@ -162,13 +170,17 @@ class DraftModelProposer:
         self.block_size = target.block_size
         self.max_batched_tokens = config.max_num_batched_tokens or default_batched_tokens(target.device.type)
         self._states: dict[str, _DraftState] = {}
+        self._block_marks: dict[int, bytes] = {}
+        """Block id -> the hash of the block whose every slot holds draft KV of that block's tokens."""
+        self.num_catch_up_tokens = 0
+        """Tokens the draft computed to catch up (cumulative): prompts, and the target's own tokens."""
         self.draft_probs: dict[str, torch.Tensor] = {}
         """The last round's q [num_drafts, vocab] per random request, for the next step's verification."""
         logger.info("draft model %s loaded (%d drafts per step)", path, spec.num_speculative_tokens)
 
-    def worth_drafting(self, request: Request) -> bool:
+    def worth_drafting(self, request: Request, block_ids: list[int]) -> bool:
         """Whether the tokens the draft must catch up on are few enough for what the request has left."""
-        catch_up = request.num_tokens - self._valid_prefix(request)
+        catch_up = request.num_tokens - self._valid_prefix(request, block_ids)
         left = request.max_tokens - request.num_output_tokens
         return catch_up <= _DECODE_TAIL or catch_up <= _CATCH_UP_PER_TOKEN_LEFT * left
 
@@ -185,7 +197,11 @@ class DraftModelProposer:
         self.draft_probs = {}
         if not batch:
             return {}
-        starts = [self._valid_prefix(d.request) for d in batch]
+        starts = [self._valid_prefix(d.request, d.block_ids) for d in batch]
+        marked = [self._num_marked(d.request, start) for d, start in zip(batch, starts, strict=True)]
+        self.num_catch_up_tokens += sum(
+            d.request.num_tokens - start for d, start in zip(batch, starts, strict=True)
+        )
         # 1. The catch-up: prefill chunks for all but the last _DECODE_TAIL tokens, then decode rows.
         self._prefill(batch, starts)
         ends = [d.request.num_tokens for d in batch]
@@ -210,16 +226,49 @@ class DraftModelProposer:
                 num_preemptions=request.num_preemptions,
                 num_valid=ends[k],
                 fed=drafts[k][: d.num_drafts - 1],
+                num_marked=self._mark_blocks(d, marked[k], ends[k], len(drafts[k])),
             )
             if probs[k]:
                 self.draft_probs[request.request_id] = torch.stack(probs[k])
         return {d.request.request_id: drafts[k] for k, d in enumerate(batch)}
 
-    def _valid_prefix(self, request: Request) -> int:
-        """How many leading positions of the request the draft's KV holds (stale state: none)."""
+    def _num_marked(self, request: Request, start: int) -> int:
+        """The request's leading blocks already marked (those of its valid prefix, for a new state)."""
         state = self._states.get(request.request_id)
         if state is None or state.num_preemptions != request.num_preemptions:
-            return 0
+            return start // self.block_size
+        return state.num_marked
+
+    def _mark_blocks(self, d: DraftRequest, num_marked: int, end: int, num_drafts: int) -> int:
+        """Mark the request's blocks now full of valid draft KV (positions < `end`, past its `num_marked`
+        leading ones); unmark those this round fed drafts into. Returns its marked blocks."""
+        bs = self.block_size
+        hashes = d.request.block_hashes
+        full = min(end // bs, len(hashes))
+        for j in range(num_marked, full):
+            self._block_marks[d.block_ids[j]] = hashes[j]
+        # Drafts were fed at positions end .. end + num_drafts - 2.
+        for j in range(end // bs, (end + num_drafts - 2) // bs + 1):
+            self._block_marks.pop(d.block_ids[j], None)
+        return max(num_marked, full)
+
+    def _marked_prefix(self, request: Request, block_ids: list[int]) -> int:
+        """Positions covered by the request's leading blocks whose draft KV is that of their tokens."""
+        hashes = request.block_hashes
+        num_blocks = 0
+        while (
+            num_blocks < min(len(hashes), len(block_ids))
+            and self._block_marks.get(block_ids[num_blocks]) == hashes[num_blocks]
+        ):
+            num_blocks += 1
+        return num_blocks * self.block_size
+
+    def _valid_prefix(self, request: Request, block_ids: list[int]) -> int:
+        """How many leading positions of the request the draft's KV holds: its state's, or for a request
+        new to the draft (or preempted since), the marked blocks it holds."""
+        state = self._states.get(request.request_id)
+        if state is None or state.num_preemptions != request.num_preemptions:
+            return min(self._marked_prefix(request, block_ids), request.num_tokens - 1)
         tokens = request.all_token_ids
         valid = state.num_valid
         for token in state.fed:

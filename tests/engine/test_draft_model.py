@@ -185,8 +185,16 @@ def test_prefix_cache_and_preemption_with_a_draft_model(tiny_llama_dir: str, bas
         first = llm.generate(prompt, params)[0]
         assert first.outputs[0].token_ids == base.generate(prompt, params)[0].outputs[0].token_ids
         follow = {"prompt_token_ids": first.prompt_token_ids + first.outputs[0].token_ids[:45]}
+        draft = llm.engine_core.draft
+        assert draft is not None
+        caught_up = draft.num_catch_up_tokens
         hit = llm.generate(follow, params)[0]
         assert hit.num_cached_tokens > 0
+        # The hit's blocks held the draft's KV of their tokens too: the draft computed only the rest.
+        assert (
+            draft.num_catch_up_tokens - caught_up
+            < len(follow["prompt_token_ids"]) - hit.num_cached_tokens + 48
+        )
         assert hit.outputs[0].token_ids == base.generate(follow, params)[0].outputs[0].token_ids
     llm.engine_core.check_invariants()
     # The budget holds both models' KV: 30 blocks of the target's and the draft's bytes.
