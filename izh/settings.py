@@ -686,6 +686,14 @@ class SpeculativeSettings(_Section):
         "served model's block tables and budget (engine.kv_cache_memory_bytes holds both).",
     )
     num_speculative_tokens: int = Field(default=5, gt=0, le=32, description="Draft tokens per step.")
+    draft_p_min: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description="draft_model: a request stops drafting for the step at a draft the draft model gives less "
+        "than this probability (llama.cpp's --draft-p-min: fewer drafts likely rejected); 0 = always "
+        "num_speculative_tokens.",
+    )
     prompt_lookup_min: int = Field(
         default=2,
         gt=0,
@@ -722,8 +730,8 @@ class SpeculativeSettings(_Section):
     def _check_lookup(self) -> SpeculativeSettings:
         if self.method == "draft_model" and not self.model:
             raise ValueError("method draft_model needs model (the draft model's path)")
-        if self.method != "draft_model" and self.model:
-            raise ValueError(f"model is the draft_model method's draft; method is {self.method}")
+        if self.method != "draft_model" and (self.model or self.draft_p_min):
+            raise ValueError(f"model and draft_p_min are the draft_model method's; method is {self.method}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min {self.prompt_lookup_min} > prompt_lookup_max {self.prompt_lookup_max}"
@@ -739,6 +747,7 @@ class SpeculativeSettings(_Section):
         return SpeculativeConfig(
             method=self.method,
             model=self.model,
+            draft_p_min=self.draft_p_min,
             num_speculative_tokens=self.num_speculative_tokens,
             prompt_lookup_min=self.prompt_lookup_min,
             prompt_lookup_max=self.prompt_lookup_max,

@@ -213,20 +213,24 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in batch]
         active = list(range(len(batch)))
         rows = [(d, positions, [d.request.all_token_ids[p] for p in positions]) for d, positions in pieces]
+        stopped: set[int] = set()
+        num_fed = [0] * len(batch)
         while True:
-            self._pick(batch, active, self._decode_rows(rows), drafts, probs)
-            active = [k for k in active if len(drafts[k]) < batch[k].num_drafts]
+            self._pick(batch, active, self._decode_rows(rows), drafts, probs, stopped)
+            active = [k for k in active if len(drafts[k]) < batch[k].num_drafts and k not in stopped]
             if not active:
                 break
             # 2. The next decode step: each active request's last draft, at the position after it.
             rows = [(batch[k], [ends[k] - 1 + len(drafts[k])], [drafts[k][-1]]) for k in active]
+            for k in active:
+                num_fed[k] += 1
         for k, d in enumerate(batch):
             request = d.request
             self._states[request.request_id] = _DraftState(
                 num_preemptions=request.num_preemptions,
                 num_valid=ends[k],
-                fed=drafts[k][: d.num_drafts - 1],
-                num_marked=self._mark_blocks(d, marked[k], ends[k], len(drafts[k])),
+                fed=drafts[k][: num_fed[k]],
+                num_marked=self._mark_blocks(d, marked[k], ends[k], num_fed[k]),
             )
             if probs[k]:
                 self.draft_probs[request.request_id] = torch.stack(probs[k])
@@ -239,7 +243,7 @@ class DraftModelProposer:
             return start // self.block_size
         return state.num_marked
 
-    def _mark_blocks(self, d: DraftRequest, num_marked: int, end: int, num_drafts: int) -> int:
+    def _mark_blocks(self, d: DraftRequest, num_marked: int, end: int, num_fed: int) -> int:
         """Mark the request's blocks now full of valid draft KV (positions < `end`, past its `num_marked`
         leading ones); unmark those this round fed drafts into. Returns its marked blocks."""
         bs = self.block_size
@@ -247,8 +251,8 @@ class DraftModelProposer:
         full = min(end // bs, len(hashes))
         for j in range(num_marked, full):
             self._block_marks[d.block_ids[j]] = hashes[j]
-        # Drafts were fed at positions end .. end + num_drafts - 2.
-        for j in range(end // bs, (end + num_drafts - 2) // bs + 1):
+        # Drafts were fed at positions end .. end + num_fed - 1.
+        for j in range(end // bs, (end + num_fed - 1) // bs + 1 if num_fed else end // bs):
             self._block_marks.pop(d.block_ids[j], None)
         return max(num_marked, full)
 
@@ -346,9 +350,19 @@ class DraftModelProposer:
         logits: torch.Tensor,
         drafts: list[list[int]],
         probs: list[list[torch.Tensor]],
+        stopped: set[int],
     ) -> None:
         """Each active request's next draft from its row of `logits` (row i: active[i]): the argmax for a
-        greedy request, a sample of q for a random one (q kept), after its masks and penalties."""
+        greedy request, a sample of q for a random one (q kept), after its masks and penalties.
+
+        With draft_p_min, a greedy request whose argmax has less probability (the draft's softmax before
+        masks and penalties) drafts nothing more; a random one keeps the token it sampled (its q is what
+        verification weighs it by) and stops after it, so that each proposed token is still q's sample."""
+        p_min = self.spec.draft_p_min
+        p_top: list[float] = []
+        if p_min > 0.0:
+            raw = logits[: len(active)]
+            p_top = torch.exp(raw.max(dim=-1).values - torch.logsumexp(raw, dim=-1)).tolist()
         rows = []
         for k in active:
             request = batch[k].request
@@ -368,12 +382,17 @@ class DraftModelProposer:
             request = batch[k].request
             if request.sampling_params.is_greedy:
                 assert greedy_ids is not None
+                if p_top and p_top[i] < p_min and drafts[k]:
+                    stopped.add(k)  # (the first draft always goes: a round without any costs as much)
+                    continue
                 drafts[k].append(int(greedy_ids[i]))
                 continue
             assert random_probs is not None
             token, q = sample_draft(random_probs[i], batch[k].generator)
             drafts[k].append(token)
             probs[k].append(q)
+            if p_min > 0.0 and float(q[token]) < p_min:
+                stopped.add(k)
 
     def shutdown(self) -> None:
         self.runner.shutdown()

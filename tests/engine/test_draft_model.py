@@ -106,7 +106,20 @@ def test_rejection_sampling_with_a_draft_model_follows_the_target() -> None:
 # --- the engine: the same tokens with a draft model as without ---------------------------------------
 
 
-@pytest.mark.parametrize("which", ["right", "wrong"])
+@pytest.fixture(scope="module")
+def wrong_p_min(tiny_llama_dir: str, tiny_qwen2_dir: str) -> LLM:
+    """The wrong draft, stopping at drafts it gives less than 0.02 (its flat random distributions)."""
+    config = SpeculativeConfig(
+        method="draft_model",
+        model=tiny_qwen2_dir,
+        num_speculative_tokens=4,
+        disable_by_batch_size=None,
+        draft_p_min=0.02,
+    )
+    return _llm(tiny_llama_dir, config)
+
+
+@pytest.mark.parametrize("which", ["right", "wrong", "wrong_p_min"])
 def test_greedy_tokens_identical_with_a_draft_model(
     base: LLM, which: str, request: pytest.FixtureRequest
 ) -> None:
@@ -117,10 +130,13 @@ def test_greedy_tokens_identical_with_a_draft_model(
     drafted, accepted = _spec_counts(spec)
     drafted, accepted = drafted - drafted_before, accepted - accepted_before
     assert drafted > 0
+    stats = spec.engine_core.make_stats()
     if which == "right":
         assert accepted > 0.8 * drafted  # its KV follows the accepted tokens: the drafts stay right
     else:
         assert accepted < 0.5 * drafted
+    if which == "wrong_p_min":  # some rounds stopped early
+        assert stats.spec_decode_num_draft_tokens < 4 * stats.spec_decode_num_drafts
     # One at a time too.
     assert [_tokens(spec.generate([p], GREEDY))[0] for p in PROMPTS[:2]] == expected[:2]
     spec.engine_core.check_invariants()

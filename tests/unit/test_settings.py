@@ -601,7 +601,7 @@ def test_speculative_config_json_and_section() -> None:
         ('{"method": "ngram", "prompt_lookup_min": 6}', "prompt_lookup_min 6 > prompt_lookup_max 5"),
         ("[1]", "must be a JSON object"),
         ('{"method": "draft_model"}', "method draft_model needs model"),
-        ('{"method": "ngram", "model": "/d.gguf"}', "model is the draft_model method's draft"),
+        ('{"method": "ngram", "model": "/d.gguf"}', "model and draft_p_min are the draft_model method's"),
     ]:
         with pytest.raises(SettingsError, match=re.escape(message)):
             load_settings(overrides={"speculative.config": config}, env={})
