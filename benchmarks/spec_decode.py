@@ -109,11 +109,11 @@ def start_llama_server(
 
 
 def start_server(
-    model: str, speculative: str | None, cpu_kernels: str, log: Path
+    model: str, speculative: str | None, cpu_kernels: str, log: Path, kv_bytes: str
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "izh_cli.main", "serve", model, "--port", str(port)]
-    cmd += ["--max-model-len", "2048", "--served-model-name", "m"]
+    cmd += ["--max-model-len", "2048", "--served-model-name", "m", "--kv-cache-memory-bytes", kv_bytes]
     if speculative is not None:
         cmd += ["--speculative-config", speculative]
     env = {**os.environ, "IZH_CPU_KERNELS": cpu_kernels}
@@ -202,10 +202,14 @@ def offline(args: argparse.Namespace) -> None:
     from izh.config import SpeculativeConfig
 
     spec_config = SpeculativeConfig(**json.loads(args.speculative_config))
-    engines = {
-        "base": LLM(args.model, max_model_len=2048, cpu_kernels=args.cpu_kernels),
-        "spec": LLM(args.model, max_model_len=2048, cpu_kernels=args.cpu_kernels, speculative=spec_config),
+    from izh.settings import parse_byte_size
+
+    common = {
+        "max_model_len": 2048,
+        "cpu_kernels": args.cpu_kernels,
+        "kv_cache_memory_bytes": parse_byte_size(args.kv_cache_memory_bytes),
     }
+    engines = {"base": LLM(args.model, **common), "spec": LLM(args.model, speculative=spec_config, **common)}
     functions = _workload(args.workload)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     runs: dict[str, dict[str, list]] = {name: {"single": [], "streams": []} for name in engines}
@@ -298,6 +302,11 @@ def main() -> None:
     parser.add_argument("--streams-max-tokens", type=int, default=128)
     parser.add_argument("--skip-streams", action="store_true")
     parser.add_argument("--skip-single", action="store_true")
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        default="2GiB",
+        help="each izh server's KV budget (a draft model's included)",
+    )
     parser.add_argument("--workload", choices=["edit", "write"], default="edit")
     parser.add_argument("--llama-server", default=None, help="also measure this llama-server binary")
     parser.add_argument("--llama-draft", default=None, help="llama-server's -md draft model file")
@@ -314,8 +323,16 @@ def main() -> None:
     many_work = [functions[i % len(functions)] for i in range(args.streams)]
     logs = Path(tempfile.mkdtemp(prefix="izh-spec-bench-"))
     servers = {
-        "base": start_server(args.model, None, args.cpu_kernels, logs / "base.log"),
-        "spec": start_server(args.model, args.speculative_config, args.cpu_kernels, logs / "spec.log"),
+        "base": start_server(
+            args.model, None, args.cpu_kernels, logs / "base.log", args.kv_cache_memory_bytes
+        ),
+        "spec": start_server(
+            args.model,
+            args.speculative_config,
+            args.cpu_kernels,
+            logs / "spec.log",
+            args.kv_cache_memory_bytes,
+        ),
     }
     if args.llama_server:
         servers["llama"] = start_llama_server(
