@@ -281,6 +281,7 @@ class EngineCore:
                 self.max_model_len - request.num_tokens,
                 rows_left,
             )
+            request.spec_token_ids = []  # drafts not verified last step are stale
             if self.proposer is not None:
                 self._set_draft(request, self.proposer.propose(request.all_token_ids, room))
                 rows_left -= len(request.spec_token_ids)
