@@ -181,11 +181,18 @@ def test_structured_outputs_with_a_draft_model_match(base: LLM, right: LLM, wron
     wrong.engine_core.check_invariants()
 
 
-def test_seeded_sampling_reproducible_and_n_children(wrong: LLM) -> None:
+def test_seeded_sampling_reproducible_and_n_children(right: LLM, wrong: LLM) -> None:
+    """Seeded requests repeat their tokens with sampled drafts (q kept for verification); with the
+    target's own weights as draft q = p, so sampled drafts are accepted (almost) always."""
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, ignore_eos=True, seed=11)
-    first = _tokens(wrong.generate(PROMPTS, params))
-    assert _tokens(wrong.generate(PROMPTS, params)) == first
-    assert wrong.engine_core.draft is not None
+    for llm in (right, wrong):
+        drafted_before, accepted_before = _spec_counts(llm)
+        first = _tokens(llm.generate(PROMPTS, params))
+        assert _tokens(llm.generate(PROMPTS, params)) == first
+        drafted, accepted = _spec_counts(llm)
+        assert drafted > drafted_before
+        if llm is right:
+            assert accepted - accepted_before > 0.8 * (drafted - drafted_before)
     out = wrong.generate(PROMPTS[0], SamplingParams(temperature=1.0, n=3, max_tokens=20, ignore_eos=True))
     assert len(out[0].outputs) == 3 and all(len(c.token_ids) == 20 for c in out[0].outputs)
     wrong.engine_core.check_invariants()
