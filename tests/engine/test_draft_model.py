@@ -281,7 +281,9 @@ def test_packed_greedy_identical_on_every_cpu_variant(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "variant", VARIANTS[1:]
+)  # generic: the packed tiny GGUFs above (SmolLM2 runs > 300 s)
 def test_smollm2_greedy_identical_with_a_draft_model(smollm2_gguf: str, tmp_path: Path, variant: str) -> None:
     """SmolLM2 drafted for by itself (mostly right) and by a tiny random model of its tokenizer (mostly
     wrong), on each C kernel variant: a code-editing prompt and a free one, the tokens without drafts."""
