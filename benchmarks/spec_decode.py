@@ -1,6 +1,10 @@
-"""Speculative decoding (n-gram drafts) against the same server without it, on a code-editing workload.
+"""Speculative decoding (n-gram drafts or a draft model) against the same server without it, on a
+code-editing or a code-writing workload.
 
     flock /tmp/izh-bench.lock python benchmarks/spec_decode.py --rounds 2
+    flock /tmp/izh-bench.lock python benchmarks/spec_decode.py --model TARGET.gguf --skip-streams \
+        --speculative-config '{"method": "draft_model", "model": "DRAFT.gguf", "num_speculative_tokens": 5}' \
+        --llama-server ~/.cache/izh-peers/llama-server --llama-draft DRAFT.gguf
 
 Two `izh serve` processes of the same model (the default SmolLM2 GGUF unless --model), one with
 `--speculative-config '{"method": "ngram", ...}'`, measured alternately (`--rounds` times) so that a shared
@@ -11,6 +15,11 @@ machine's drift hits them alike:
   first token to the last.
 - `--streams` streams at once: the same kind of requests (each its own function and rename), all at once;
   output tok/s = all completion tokens over the wall time.
+`--workload write` asks for new code instead (`WRITE_PROMPTS`: short coding tasks), where the answer does not
+repeat the prompt (a draft model's case, not n-gram lookup's).
+`--llama-server BIN` also measures llama.cpp's server on the 1-stream workload, started by hand as
+`BIN -m MODEL -md LLAMA_DRAFT --spec-draft-n-max N -t 2` (speculative decoding with the same draft file),
+alternated with the other two.
 Every completion's text is compared between the two servers (greedy: they must be the same).
 `--offline` runs the same workload on two in-process engines (no HTTP; wall and process CPU time).
 Writes one JSON under bench_results/.
@@ -56,7 +65,27 @@ def _functions() -> list[tuple[str, str, str]]:
     return [(inspect.getsource(f), old, new) for f, old, new in picks]
 
 
-def _messages(source: str, old: str, new: str) -> list[dict[str, str]]:
+WRITE_PROMPTS = [
+    "Write a Python function `merge_intervals(intervals)` that merges overlapping [start, end] intervals "
+    "and returns them sorted, with a docstring and type hints.",
+    "Write a Python class `LRUCache` with `get(key)` and `put(key, value)` in O(1), using an OrderedDict, "
+    "with type hints and docstrings.",
+    "Write a Python function `parse_duration(text)` that turns strings like '1h30m', '45s' or '2h' into "
+    "seconds, raising ValueError on bad input, with a docstring and three doctest examples.",
+    "Write a Python function `top_k_words(path, k)` that reads a text file and returns the k most frequent "
+    "lowercase words with their counts, ignoring punctuation, with type hints.",
+]
+
+
+def _workload(kind: str) -> list[tuple[str, ...]]:
+    """The requests' arguments for `_messages`: (source, old, new) to edit, or (task,) to write."""
+    return list(_functions()) if kind == "edit" else [(task,) for task in WRITE_PROMPTS]
+
+
+def _messages(*work: str) -> list[dict[str, str]]:
+    if len(work) == 1:
+        return [{"role": "user", "content": work[0] + " Reply with the code only."}]
+    source, old, new = work
     return [
         {
             "role": "user",
@@ -66,12 +95,25 @@ def _messages(source: str, old: str, new: str) -> list[dict[str, str]]:
     ]
 
 
+def start_llama_server(
+    binary: str, model: str, draft: str, draft_max: int, log: Path
+) -> tuple[subprocess.Popen, str]:
+    """llama.cpp's server with speculative decoding by the draft model `draft` (2 threads, as izh's 2 cores)."""
+    port = free_port()
+    cmd = [binary, "-m", model, "-md", draft, "--spec-draft-n-max", str(draft_max), "-t", "2"]
+    cmd += ["--port", str(port), "-c", "2048", "--alias", "m"]
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_ok(f"{url}/health", proc)
+    return proc, url
+
+
 def start_server(
-    model: str, speculative: str | None, cpu_kernels: str, log: Path
+    model: str, speculative: str | None, cpu_kernels: str, log: Path, kv_bytes: str
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "izh_cli.main", "serve", model, "--port", str(port)]
-    cmd += ["--max-model-len", "2048", "--served-model-name", "m"]
+    cmd += ["--max-model-len", "2048", "--served-model-name", "m", "--kv-cache-memory-bytes", kv_bytes]
     if speculative is not None:
         cmd += ["--speculative-config", speculative]
     env = {**os.environ, "IZH_CPU_KERNELS": cpu_kernels}
@@ -102,6 +144,8 @@ async def one_request(client: httpx.AsyncClient, url: str, messages: list, max_t
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+            elif chunk.get("timings"):  # llama-server's last chunk
+                tokens = chunk["timings"].get("predicted_n", tokens)
             for choice in chunk["choices"]:
                 content = choice["delta"].get("content")
                 if content:
@@ -157,12 +201,16 @@ def offline(args: argparse.Namespace) -> None:
     from izh import LLM, SamplingParams
     from izh.config import SpeculativeConfig
 
-    spec_config = SpeculativeConfig(**json.loads(args.speculative_config) | {"method": "ngram"})
-    engines = {
-        "base": LLM(args.model, max_model_len=2048, cpu_kernels=args.cpu_kernels),
-        "spec": LLM(args.model, max_model_len=2048, cpu_kernels=args.cpu_kernels, speculative=spec_config),
+    spec_config = SpeculativeConfig(**json.loads(args.speculative_config))
+    from izh.settings import parse_byte_size
+
+    common = {
+        "max_model_len": 2048,
+        "cpu_kernels": args.cpu_kernels,
+        "kv_cache_memory_bytes": parse_byte_size(args.kv_cache_memory_bytes),
     }
-    functions = _functions()
+    engines = {"base": LLM(args.model, **common), "spec": LLM(args.model, speculative=spec_config, **common)}
+    functions = _workload(args.workload)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     runs: dict[str, dict[str, list]] = {name: {"single": [], "streams": []} for name in engines}
 
@@ -253,6 +301,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--streams-max-tokens", type=int, default=128)
     parser.add_argument("--skip-streams", action="store_true")
+    parser.add_argument("--skip-single", action="store_true")
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        default="2GiB",
+        help="each izh server's KV budget (a draft model's included)",
+    )
+    parser.add_argument("--workload", choices=["edit", "write"], default="edit")
+    parser.add_argument("--llama-server", default=None, help="also measure this llama-server binary")
+    parser.add_argument("--llama-draft", default=None, help="llama-server's -md draft model file")
+    parser.add_argument("--llama-draft-max", type=int, default=5, help="llama-server's --spec-draft-n-max")
     parser.add_argument("--offline", action="store_true", help="in-process engines, no HTTP servers")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -260,19 +318,33 @@ def main() -> None:
         offline(args)
         return
 
-    functions = _functions()
+    functions = _workload(args.workload)
     single_work = functions[: args.single]
     many_work = [functions[i % len(functions)] for i in range(args.streams)]
     logs = Path(tempfile.mkdtemp(prefix="izh-spec-bench-"))
     servers = {
-        "base": start_server(args.model, None, args.cpu_kernels, logs / "base.log"),
-        "spec": start_server(args.model, args.speculative_config, args.cpu_kernels, logs / "spec.log"),
+        "base": start_server(
+            args.model, None, args.cpu_kernels, logs / "base.log", args.kv_cache_memory_bytes
+        ),
+        "spec": start_server(
+            args.model,
+            args.speculative_config,
+            args.cpu_kernels,
+            logs / "spec.log",
+            args.kv_cache_memory_bytes,
+        ),
     }
+    if args.llama_server:
+        servers["llama"] = start_llama_server(
+            args.llama_server, args.model, args.llama_draft, args.llama_draft_max, logs / "llama.log"
+        )
     runs: dict[str, dict[str, list]] = {name: {"single": [], "streams": []} for name in servers}
     try:
         for round_index in range(args.rounds):
             order = ["base", "spec"] if round_index % 2 == 0 else ["spec", "base"]
-            for name in order:
+            for name in [*order, "llama"] if "llama" in servers else order:
+                if args.skip_single:
+                    break
                 result = asyncio.run(one_stream(servers[name][1], single_work, args.max_tokens))
                 runs[name]["single"].append(result)
                 print(f"round {round_index} {name} 1 stream: {result['output_tok_s']:.1f} out tok/s, "
@@ -295,6 +367,8 @@ def main() -> None:
         out = {f"{name}_{key}_median": statistics.median(v) for name, v in values.items() if v}
         if values["base"]:
             out["speedup"] = out[f"spec_{key}_median"] / out[f"base_{key}_median"]
+        if values.get("llama"):
+            out["spec_over_llama"] = out[f"spec_{key}_median"] / out[f"llama_{key}_median"]
         return out
 
     identical_single = all(
@@ -308,8 +382,17 @@ def main() -> None:
         "model": args.model,
         "speculative_config": json.loads(args.speculative_config),
         "cpu_kernels": args.cpu_kernels,
+        "workload": args.workload,
+        "max_tokens": args.max_tokens,
+        "llama_server": (
+            {"binary": args.llama_server, "draft": args.llama_draft, "spec_draft_n_max": args.llama_draft_max}
+            if args.llama_server
+            else None
+        ),
         "rounds": args.rounds,
-        "single": {
+        "single": {}
+        if args.skip_single
+        else {
             **summary("single", "output_tok_s"),
             "decode": summary("single", "decode_tok_s"),
             "identical_text": identical_single,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,7 +13,13 @@ class SpeculativeConfig:
     and the load above which drafting pauses (izh.engine.spec_decode)."""
 
     method: str = "ngram"
-    """ngram: prompt lookup over the prompt and the output so far."""
+    """ngram: prompt lookup over the prompt and the output so far; draft_model: a smaller model of the same
+    tokenizer (`model`) decodes the drafts (izh.engine.draft_model)."""
+    model: str | None = None
+    """draft_model: the draft's GGUF file or Hugging Face folder (or a pulled registry name)."""
+    draft_p_min: float = 0.0
+    """draft_model: a request's drafting round stops at a draft the draft model gives less than this
+    probability (llama.cpp's --draft-p-min); 0: always k drafts."""
     num_speculative_tokens: int = 5
     prompt_lookup_min: int = 2
     """The shortest suffix of the known tokens an earlier occurrence must match (ngram)."""

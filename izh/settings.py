@@ -716,12 +716,26 @@ class SpeculativeSettings(_Section):
         description="vLLM's --speculative-config: a JSON object of this section's keys, e.g. {\"method\": "
         '"ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5}; its keys override the others.',
     )
-    method: Annotated[Literal["ngram"] | None, CaseInsensitive] = Field(
+    method: Annotated[Literal["ngram", "draft_model"] | None, CaseInsensitive] = Field(
         default=None,
-        description="How drafts are proposed: ngram (prompt lookup over the prompt and the output so far); "
-        "unset = speculative decoding off.",
+        description="How drafts are proposed: ngram (prompt lookup over the prompt and the output so far) or "
+        "draft_model (a smaller model of the same tokenizer, `model`); unset = speculative decoding off.",
+    )
+    model: str | None = Field(
+        default=None,
+        description="draft_model: the draft model, a .gguf file, a Hugging Face folder or a pulled registry "
+        "name, sharing the served model's tokenizer (refused at start otherwise). Its KV cache shares the "
+        "served model's block tables and budget (engine.kv_cache_memory_bytes holds both).",
     )
     num_speculative_tokens: int = Field(default=5, gt=0, le=32, description="Draft tokens per step.")
+    draft_p_min: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description="draft_model: a request stops drafting for the step at a draft the draft model gives less "
+        "than this probability (llama.cpp's --draft-p-min: fewer drafts likely rejected); 0 = always "
+        "num_speculative_tokens.",
+    )
     prompt_lookup_min: int = Field(
         default=2,
         gt=0,
@@ -756,6 +770,10 @@ class SpeculativeSettings(_Section):
 
     @model_validator(mode="after")
     def _check_lookup(self) -> SpeculativeSettings:
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("method draft_model needs model (the draft model's path)")
+        if self.method != "draft_model" and (self.model or self.draft_p_min):
+            raise ValueError(f"model and draft_p_min are the draft_model method's; method is {self.method}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min {self.prompt_lookup_min} > prompt_lookup_max {self.prompt_lookup_max}"
@@ -770,6 +788,8 @@ class SpeculativeSettings(_Section):
             return None
         return SpeculativeConfig(
             method=self.method,
+            model=self.model,
+            draft_p_min=self.draft_p_min,
             num_speculative_tokens=self.num_speculative_tokens,
             prompt_lookup_min=self.prompt_lookup_min,
             prompt_lookup_max=self.prompt_lookup_max,
@@ -1151,6 +1171,7 @@ _FLAG_NAMES: dict[str, str] = {
     "logging.level": "--log-level",
     "speculative.config": "--speculative-config",
     "speculative.method": "--speculative-method",
+    "speculative.model": "--speculative-model",
     "speculative.disable_by_batch_size": "--speculative-disable-by-batch-size",
     "logging.json": "--log-json",
 }

@@ -10,7 +10,13 @@ from typing import Any
 
 import torch
 
-from izh.config import EngineConfig
+from izh.config import CUDA_BATCHED_TOKENS, EngineConfig, default_batched_tokens
+from izh.engine.draft_model import (
+    DraftModelProposer,
+    DraftRequest,
+    draft_kv_bytes_per_block,
+    resolve_draft_path,
+)
 from izh.engine.guided import GrammarManager
 from izh.engine.heap import release_free_heap
 from izh.engine.kv_cache import KVCacheManager
@@ -20,7 +26,7 @@ from izh.engine.request import Request, RequestStatus
 from izh.engine.scheduler import Scheduler, SchedulerOutput
 from izh.engine.spec_decode import make_proposer
 from izh.engine_messages import AddRequest, EngineOutput, SchedulerStats, TokenLogprobs
-from izh.errors import IzhError, LoraAdapterError
+from izh.errors import IzhError, LoraAdapterError, ModelLoadError
 from izh.sampling_params import context_room
 from izh.tokenizer import load_tokenizer
 
@@ -42,7 +48,15 @@ class EngineCore:
         progress: Callable[[int, int, str], None] | None = None,
     ) -> None:
         self.config = config
-        self.runner = ModelRunner(config, progress=progress)
+        spec = config.speculative
+        uses_draft = spec is not None and spec.method == "draft_model"
+        if uses_draft and config.tensor_parallel_size > 1:
+            raise ModelLoadError(
+                "a draft model (speculative method draft_model) runs with tensor_parallel_size 1"
+            )
+        # A draft model's KV shares the target's blocks: the budget holds both (izh.engine.draft_model).
+        extra_kv = draft_kv_bytes_per_block(config, resolve_draft_path(config)) if uses_draft else 0
+        self.runner = ModelRunner(config, progress=progress, extra_kv_bytes_per_block=extra_kv)
         self.max_model_len = self.runner.max_model_len
         self.num_blocks = self.runner.num_blocks
         self.block_size = self.runner.block_size
@@ -69,13 +83,17 @@ class EngineCore:
             is_ready=self._grammar_ready,
             max_loras=config.max_loras if self.runner.lora is not None else 0,
         )
-        self.proposer = make_proposer(config.speculative)
-        """Proposes each running request's drafts after every step (None: no speculative decoding)."""
-        if (
-            self.proposer is not None
-            and self.runner.device.type == "cpu"
-            and self.runner.dtype != torch.float32
-        ):
+        self.proposer = None if uses_draft else make_proposer(spec)
+        """Proposes each running request's n-gram drafts after every step (None: no n-gram drafts)."""
+        self.draft: DraftModelProposer | None = None
+        """The draft model (method draft_model) that decodes each running request's drafts instead."""
+        if uses_draft:
+            try:
+                self.draft = DraftModelProposer(config, self.runner, self.tokenizer)
+            except BaseException:
+                self.runner.shutdown()
+                raise
+        if spec is not None and self.runner.device.type == "cpu" and self.runner.dtype != torch.float32:
             logger.warning(
                 "speculative decoding on %s CPU weights: a verification step's rows are not yet bit-identical "
                 "to single-token decodes there, so greedy tokens may differ from decoding without drafts "
@@ -206,7 +224,9 @@ class EngineCore:
             self.runner.remove_requests(sched.finished_request_ids)
             return []
         self._mark_scheduled(sched)
-        runner_out = self.runner.execute(sched, self._grammar)
+        runner_out = self.runner.execute(
+            sched, self._grammar, self.draft.draft_probs if self.draft is not None else None
+        )
         self.last_forward_s = runner_out.forward_s
         self.last_step_is_decode = sched.total_num_scheduled_tokens == len(sched.scheduled)
         self._iteration_tokens.append(sched.total_num_scheduled_tokens)
@@ -232,7 +252,7 @@ class EngineCore:
             )
             if finish_reason is not None:
                 self._forget(request.request_id)
-        if self.proposer is not None:
+        if self.proposer is not None or self.draft is not None:
             self._propose()
         return outputs
 
@@ -240,14 +260,15 @@ class EngineCore:
         """Give each running request at its decode its drafts for the next step, unless drafting pauses
         (more running requests than disable_by_batch_size) or the request cannot take drafts."""
         spec = self.config.speculative
-        proposer = self.proposer
-        assert spec is not None and proposer is not None
+        assert spec is not None
+        if self.draft is not None:
+            self.draft.draft_probs = {}
         running = self.scheduler.running
         if spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size:
             return
-        grammar = self._grammar
         # The step's rows stay within what the fused decode stack takes, so that each is a decode's row.
         rows_left = (self.runner.max_decode_rows or sys.maxsize) - len(running)
+        wanted: list[tuple[Request, int]] = []
         for request in running:
             if request.num_tokens - request.num_computed_tokens != 1 or not self._may_draft(request):
                 continue
@@ -257,11 +278,42 @@ class EngineCore:
                 self.max_model_len - request.num_tokens,
                 rows_left,
             )
-            draft = proposer.propose(request.all_token_ids, room)
-            if draft and grammar is not None and grammar.has_grammar(request.request_id):
-                draft = draft[: grammar.valid_draft_length(request.request_id, draft)]
-            request.spec_token_ids = draft
-            rows_left -= len(draft)
+            request.spec_token_ids = []  # drafts not verified last step are stale
+            if self.proposer is not None:
+                self._set_draft(request, self.proposer.propose(request.all_token_ids, room))
+                rows_left -= len(request.spec_token_ids)
+            elif room > 0:
+                wanted.append((request, min(room, spec.num_speculative_tokens)))
+                rows_left -= wanted[-1][1]
+        if wanted:
+            self._propose_with_draft_model(wanted)
+
+    def _propose_with_draft_model(self, wanted: list[tuple[Request, int]]) -> None:
+        """One batched drafting round of the draft model. Each request first takes KV slots up to its last
+        draft's position (the draft writes its KV there before the scheduler sees the drafts); one that
+        cannot get them drafts nothing this time."""
+        draft = self.draft
+        assert draft is not None
+        kv = self.kv_cache_manager
+        batch = []
+        for request, num_drafts in wanted:
+            block_ids = kv.get_block_ids(request.request_id)
+            if not draft.worth_drafting(request, block_ids) or kv.allocate_slots(request, num_drafts) is None:
+                continue
+            generator = self.runner.generator(request.request_id, request.sampling_params)
+            batch.append(DraftRequest(request, num_drafts, kv.get_block_ids(request.request_id), generator))
+        proposed = draft.propose(batch)
+        for d in batch:
+            self._set_draft(d.request, proposed[d.request.request_id])
+            if not d.request.spec_token_ids:
+                kv.trim(d.request)  # a grammar cut every draft: the slots taken for them go back
+
+    def _set_draft(self, request: Request, draft: list[int]) -> None:
+        """A constrained request's draft is cut where its grammar rejects a token."""
+        grammar = self._grammar
+        if draft and grammar is not None and grammar.has_grammar(request.request_id):
+            draft = draft[: grammar.valid_draft_length(request.request_id, draft)]
+        request.spec_token_ids = draft
 
     @staticmethod
     def _may_draft(request: Request) -> bool:
@@ -361,6 +413,8 @@ class EngineCore:
 
     def _forget(self, request_id: str) -> None:
         self.runner.remove_requests([request_id])
+        if self.draft is not None:
+            self.draft.forget(request_id)
         if self._grammar is not None:
             self._grammar.remove(request_id)
         request = self._requests.pop(request_id, None)
@@ -456,4 +510,6 @@ class EngineCore:
         self.kv_cache_manager.check_invariants()
 
     def shutdown(self) -> None:
+        if self.draft is not None:
+            self.draft.shutdown()
         self.runner.shutdown()

@@ -127,10 +127,18 @@ class ModelRunner:
         progress: Callable[[int, int, str], None] | None = None,
         *,
         tp_runtime: TensorParallelRuntime | None = None,
+        extra_kv_bytes_per_block: int = 0,
+        num_blocks: int | None = None,
     ) -> None:
         """With tensor_parallel_size > 1, rank 0 (no `tp_runtime`) starts the group and the other local
-        ranks (izh.engine.tensor_parallel); a worker rank passes the runtime it joined with."""
+        ranks (izh.engine.tensor_parallel); a worker rank passes the runtime it joined with.
+
+        Speculative decoding's draft model (izh.engine.draft_model) shares the target's block tables: the
+        target's runner counts `extra_kv_bytes_per_block` (the draft's) into each block of its budget, and
+        the draft's runner takes the target's `num_blocks` as they are."""
         self.config = config
+        self._extra_kv_bytes_per_block = extra_kv_bytes_per_block
+        self._forced_num_blocks = num_blocks
         self.device = resolve_device(config.device)
         self.tp_runtime = tp_runtime
         if config.tensor_parallel_size > 1 and tp_runtime is None:
@@ -406,7 +414,9 @@ class ModelRunner:
         return 2 * tensors * self.block_size * self.num_local_kv_heads * mc.head_dim * elem
 
     def _resolve_num_blocks(self) -> int:
-        per_block = self.kv_bytes_per_block()
+        if self._forced_num_blocks is not None:
+            return self._forced_num_blocks
+        per_block = self.kv_bytes_per_block() + self._extra_kv_bytes_per_block
         budget = self.config.kv_cache_memory_bytes
         if budget is None:
             budget = int(available_memory_bytes(self.device) * self.config.kv_cache_memory_fraction)
@@ -539,7 +549,14 @@ class ModelRunner:
         return encoded
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, grammar: GrammarManager | None = None) -> RunnerOutput:
+    def execute(
+        self,
+        sched: SchedulerOutput,
+        grammar: GrammarManager | None = None,
+        draft_probs: dict[str, torch.Tensor] | None = None,
+    ) -> RunnerOutput:
+        """Run one scheduled step. `draft_probs`: a draft model's distributions q [k, vocab] of the drafts
+        of its random requests (izh.engine.draft_model), which their verification weighs them by."""
         self.remove_requests(sched.finished_request_ids)
         scheduled = sched.scheduled
         if not scheduled:
@@ -547,13 +564,20 @@ class ModelRunner:
         # A step with LoRA tokens: adapters in their slots, the batch ordered by slot (izh.engine.lora_manager).
         lora_order = self.lora.prepare(scheduled, sched.running_lora_ids) if self.lora is not None else None
         try:
-            return self._execute(lora_order or scheduled, grammar, lora_step=lora_order is not None)
+            return self._execute(
+                lora_order or scheduled, grammar, draft_probs or {}, lora_step=lora_order is not None
+            )
         finally:
             if self.lora is not None:
                 self.lora.finish()
 
     def _execute(
-        self, scheduled: list[ScheduledRequest], grammar: GrammarManager | None, *, lora_step: bool
+        self,
+        scheduled: list[ScheduledRequest],
+        grammar: GrammarManager | None,
+        draft_probs: dict[str, torch.Tensor],
+        *,
+        lora_step: bool,
     ) -> RunnerOutput:
         input_ids, positions, attn_metadata = self._prepare_inputs(scheduled)
         sample_rows, prompt_rows, pool_rows = self._select_rows(scheduled)
@@ -597,7 +621,7 @@ class ModelRunner:
         out = RunnerOutput(embeddings=embeddings, forward_s=self._forward_time(start))
         num_sampled = sum(num_rows for _, _, num_rows in sample_rows)
         if num_sampled:
-            self._sample(scheduled, sample_rows, logits[:num_sampled], out, grammar)
+            self._sample(scheduled, sample_rows, logits[:num_sampled], out, grammar, draft_probs)
         self._prompt_logprobs(scheduled, prompt_rows, logits[num_sampled:], out)
         if events is not None:
             # The sampled tokens were read back, so the end event has completed: no extra wait here.
@@ -636,6 +660,10 @@ class ModelRunner:
         if self._forward_events is not None:
             self._forward_events[1].record()
         return time.perf_counter() - start
+
+    def logits_buffer(self, num_rows: int) -> torch.Tensor | None:
+        """The step's logits buffer for `num_rows` rows (None: too many rows for it)."""
+        return self._logits_buffer(num_rows)
 
     def _logits_buffer(self, num_rows: int) -> torch.Tensor | None:
         """A float32 [max_num_seqs, vocab] buffer reused by every step (None for more rows, as prompt
@@ -779,6 +807,7 @@ class ModelRunner:
         logits: torch.Tensor,
         out: RunnerOutput,
         grammar: GrammarManager | None,
+        draft_probs: dict[str, torch.Tensor],
     ) -> None:
         """Sample every sampling request's token; a request verifying drafts gets its accepted drafts
         and one token of the target's own (izh.engine.spec_decode)."""
@@ -841,6 +870,7 @@ class ModelRunner:
             logits.index_select(0, index),
             SamplingMetadata.build([rows[r] for r in index_list], self.vocab_size, self.device),
             out,
+            draft_probs,
         )
 
     def _sample_plain(
@@ -859,6 +889,10 @@ class ModelRunner:
             if result.logprobs is not None and result.logprobs[k] is not None:
                 out.logprobs[request_id] = [result.logprobs[k]]  # type: ignore[list-item]
 
+    def generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        """The generator a random request's draws come from: its own when seeded, else the engine's."""
+        return self._generator(request_id, params) or self.sampler.generator
+
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         """A seeded random request's own generator (made on its first sample, kept until it ends)."""
         if params.seed is None or params.is_greedy:
@@ -876,6 +910,7 @@ class ModelRunner:
         logits: torch.Tensor,
         metadata: SamplingMetadata,
         out: RunnerOutput,
+        draft_probs: dict[str, torch.Tensor],
     ) -> None:
         """A step with drafts: each request's rows through izh.engine.spec_decode's verification (one row
         without drafts is a verification of none: the same distribution as the sampler's)."""
@@ -891,8 +926,12 @@ class ModelRunner:
                 result = verify_greedy(greedy_ids[row : row + used], draft)
             else:
                 assert probs is not None
-                generator = self._generator(req.request_id, params) or self.sampler.generator
-                result = verify_random(probs[row : row + used], draft, generator)
+                result = verify_random(
+                    probs[row : row + used],
+                    draft,
+                    self.generator(req.request_id, params),
+                    draft_probs.get(req.request_id),
+                )
             out.sampled_token_ids[req.request_id] = result.token_ids
             if raw_logprobs is not None and params.logprobs is not None:
                 out.logprobs[req.request_id] = token_logprobs(

@@ -16,6 +16,10 @@ at those k + 1 positions, each row as a single-token decode would compute it (iz
   draws come from the request's own generator when it has a seed, in a fixed order, so a seeded request
   is reproducible.
 
+With a draft model (izh.engine.draft_model) the drafts are sampled from the draft's distribution q, and
+draft x is accepted with probability min(1, p(x) / q(x)), a rejected one replaced by a sample of
+max(p - q, 0) normalized: again exactly p. A greedy request's draft is the draft's argmax, verified as any.
+
 The n-gram proposer (prompt lookup, as vLLM's `ngram` method): the longest suffix of the known tokens,
 between prompt_lookup_max and prompt_lookup_min tokens long, that occurred earlier in the prompt or the
 output; the tokens that followed its latest earlier occurrence are the draft.
@@ -78,10 +82,21 @@ def verify_greedy(argmax: list[int], draft: list[int]) -> VerifyResult:
     return VerifyResult([*draft[:accepted], argmax[accepted]], accepted)
 
 
-def verify_random(probs: torch.Tensor, draft: list[int], generator: torch.Generator | None) -> VerifyResult:
-    """Rejection sampling of point-mass drafts against the target's probabilities `probs` [k + 1, vocab]
-    (float32, rows need not sum to 1: each is normalized by its own total). Draws from `generator`
-    (the engine's when None): one uniform per draft tested, then one for the token the target samples."""
+def verify_random(
+    probs: torch.Tensor,
+    draft: list[int],
+    generator: torch.Generator | None,
+    draft_probs: torch.Tensor | None = None,
+) -> VerifyResult:
+    """Rejection sampling of drafts against the target's probabilities `probs` [k + 1, vocab] (float32,
+    rows need not sum to 1: each is normalized by its own total). Draws from `generator` (the engine's
+    when None): one uniform per draft tested, then one for the token the target samples.
+
+    `draft_probs` [>= k, vocab] (rows summing to 1) is the distribution q each draft token was sampled
+    from (a draft model's); None: point masses (an n-gram draft). Draft x is accepted with probability
+    min(1, p(x) / q(x)); a rejected one is replaced by a sample of max(p - q, 0) normalized."""
+    if draft_probs is not None:
+        return _verify_against(probs, draft, generator, draft_probs)
     totals = probs.sum(dim=-1, dtype=torch.float64)
     accepted = 0
     for position, token in enumerate(draft):
@@ -98,6 +113,33 @@ def verify_random(probs: torch.Tensor, draft: list[int], generator: torch.Genera
     return VerifyResult([*draft, _draw(probs[accepted : accepted + 1], generator)], accepted)
 
 
+def _verify_against(
+    probs: torch.Tensor, draft: list[int], generator: torch.Generator | None, draft_probs: torch.Tensor
+) -> VerifyResult:
+    """verify_random with a draft distribution q: accept x when u * q(x) < p(x) (u uniform in [0, 1))."""
+    for position, token in enumerate(draft):
+        p_row = probs[position].double()
+        p_row = p_row / p_row.sum()
+        q_row = draft_probs[position].double()
+        q_row = q_row / q_row.sum()  # the very q sample_draft drew from (float32, normalized once more)
+        u = float(torch.rand((), dtype=torch.float64, generator=generator))
+        if u * float(q_row[token]) >= float(p_row[token]):
+            residual = (p_row - q_row).clamp_(min=0.0)
+            if float(residual.sum()) <= 0.0:  # rounding: p <= q everywhere, so p itself is the residual
+                residual = p_row
+            return VerifyResult([*draft[:position], _draw(residual.unsqueeze(0), generator)], position)
+    accepted = len(draft)
+    return VerifyResult([*draft, _draw(probs[accepted : accepted + 1], generator)], accepted)
+
+
+def sample_draft(probs: torch.Tensor, generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+    """A draft model's token from its unnormalized probabilities `probs` [vocab], and the row it was drawn
+    from (float32, normalized: the q that verification weighs it by)."""
+    q = probs.double()
+    q = (q / q.sum()).float()
+    return _draw(q.unsqueeze(0), generator), q
+
+
 def _draw(row: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from the unnormalized probabilities `row` [1, vocab] by the inverse CDF."""
     uniform = torch.rand(1, dtype=torch.float64, generator=generator)
@@ -108,6 +150,8 @@ def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
     """The proposer `config` names (None: speculative decoding is off)."""
     if config is None:
         return None
+    if config.method == "draft_model":
+        raise ValueError("a draft model proposes through izh.engine.draft_model.DraftModelProposer")
     if config.method != "ngram":
         raise ValueError(
             f"unknown speculative method {config.method!r}; supported: {', '.join(SPEC_METHODS)}"

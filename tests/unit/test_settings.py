@@ -585,12 +585,23 @@ def test_speculative_config_json_and_section() -> None:
     assert load_settings(env={}).to_engine_config("/m").speculative is None
     env = {"IZH_SPECULATIVE__METHOD": "ngram", "IZH_SPECULATIVE__NUM_SPECULATIVE_TOKENS": "2"}
     assert load_settings(env=env).speculative.to_config() == SpeculativeConfig(num_speculative_tokens=2)
+    draft = load_settings(
+        overrides={
+            "speculative.config": '{"method": "draft_model", "model": "/d.gguf", "num_speculative_tokens": 4}'
+        },
+        env={},
+    )
+    assert draft.speculative.to_config() == SpeculativeConfig(
+        method="draft_model", model="/d.gguf", num_speculative_tokens=4
+    )
     for config, message in [
         ("{not json", "not valid JSON"),
         ('{"methd": "ngram"}', "unknown key(s) methd"),
         ('{"method": "eagle"}', "speculative.method"),
         ('{"method": "ngram", "prompt_lookup_min": 6}', "prompt_lookup_min 6 > prompt_lookup_max 5"),
         ("[1]", "must be a JSON object"),
+        ('{"method": "draft_model"}', "method draft_model needs model"),
+        ('{"method": "ngram", "model": "/d.gguf"}', "model and draft_p_min are the draft_model method's"),
     ]:
         with pytest.raises(SettingsError, match=re.escape(message)):
             load_settings(overrides={"speculative.config": config}, env={})
