@@ -1,9 +1,11 @@
-"""The Responses API against chat completions on one `izh serve`: the same prompts, greedy, sent
-alternately through POST /v1/chat/completions and POST /v1/responses, streamed and not, at several
-concurrencies, so that what /v1/responses adds (its event stream, items, store) shows side by side.
+"""The Responses API (or Anthropic's Messages API) against chat completions on one `izh serve`: the
+same prompts, greedy, sent alternately through POST /v1/chat/completions and POST /v1/responses (and
+/ or POST /v1/messages), streamed and not, at several concurrencies, so that what a route adds (its
+event stream, items, store; Messages' content blocks and events) shows side by side.
 
     python benchmarks/responses_vs_chat.py                      # the default model, concurrency 1 and 8
     python benchmarks/responses_vs_chat.py --concurrency 1,8 --requests 16 --max-tokens 128 --rounds 2
+    python benchmarks/responses_vs_chat.py --endpoints chat,messages --concurrency 16,64 --stream-only
 
 Greedy decoding of the same messages gives both routes the same tokens (the output token counts are
 reported to show it). Per (concurrency, streaming, endpoint): TTFT p50 (first text delta), ITL p50 and
@@ -47,10 +49,12 @@ PROMPTS = [
     "Summarize the plot of a heist movie you invent.",
     "Explain photosynthesis to a child.",
 ]
-ENDPOINTS = ("chat", "responses")
+ENDPOINTS = ("chat", "responses", "messages")
 
 
-def _body(endpoint: str, prompt: str, max_tokens: int, stream: bool) -> tuple[str, dict[str, Any]]:
+def _body(
+    endpoint: str, prompt: str, max_tokens: int, stream: bool, model: str
+) -> tuple[str, dict[str, Any]]:
     if endpoint == "chat":
         body: dict[str, Any] = {
             "messages": [{"role": "user", "content": prompt}],
@@ -61,6 +65,14 @@ def _body(endpoint: str, prompt: str, max_tokens: int, stream: bool) -> tuple[st
         if stream:
             body["stream_options"] = {"include_usage": True}
         return "/v1/chat/completions", body
+    if endpoint == "messages":
+        return "/v1/messages", {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": stream,
+        }
     return "/v1/responses", {
         "input": prompt,
         "max_output_tokens": max_tokens,
@@ -71,10 +83,10 @@ def _body(endpoint: str, prompt: str, max_tokens: int, stream: bool) -> tuple[st
 
 
 async def _one(
-    client: httpx.AsyncClient, endpoint: str, prompt: str, max_tokens: int, stream: bool
+    client: httpx.AsyncClient, endpoint: str, prompt: str, max_tokens: int, stream: bool, model: str
 ) -> dict[str, Any]:
     """One request: its latency, its output tokens, and (streamed) the times of its text deltas."""
-    path, body = _body(endpoint, prompt, max_tokens, stream)
+    path, body = _body(endpoint, prompt, max_tokens, stream, model)
     start = time.perf_counter()
     if not stream:
         reply = await client.post(path, json=body)
@@ -97,6 +109,11 @@ async def _one(
                     tokens = event["usage"]["completion_tokens"]
                 if any(choice["delta"].get("content") for choice in event["choices"]):
                     deltas.append(now)
+            elif endpoint == "messages":
+                if event["type"] == "content_block_delta" and event["delta"]["type"] == "text_delta":
+                    deltas.append(now)
+                elif event["type"] == "message_delta":
+                    tokens = event["usage"]["output_tokens"]
             elif event["type"] == "response.output_text.delta":
                 deltas.append(now)
             elif event["type"] in ("response.completed", "response.incomplete"):
@@ -105,7 +122,7 @@ async def _one(
 
 
 async def _batch(
-    url: str, endpoint: str, concurrency: int, requests: int, max_tokens: int, stream: bool
+    url: str, endpoint: str, concurrency: int, requests: int, max_tokens: int, stream: bool, model: str = ""
 ) -> tuple[float, list[dict[str, Any]]]:
     queue = list(range(requests))
     results: list[dict[str, Any]] = []
@@ -113,7 +130,8 @@ async def _batch(
     async def worker(client: httpx.AsyncClient) -> None:
         while queue:
             index = queue.pop()
-            results.append(await _one(client, endpoint, PROMPTS[index % len(PROMPTS)], max_tokens, stream))
+            prompt = PROMPTS[index % len(PROMPTS)]
+            results.append(await _one(client, endpoint, prompt, max_tokens, stream, model))
 
     limits = httpx.Limits(max_connections=concurrency + 2)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
@@ -161,9 +179,16 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=2, help="alternations of chat and responses per setting"
     )
+    parser.add_argument(
+        "--endpoints", default="chat,responses", help="the routes, alternated: chat, responses, messages"
+    )
+    parser.add_argument("--stream-only", action="store_true", help="streamed requests only (no JSON runs)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     levels = [int(level) for level in args.concurrency.split(",")]
+    endpoints = tuple(args.endpoints.split(","))
+    if not set(endpoints) <= set(ENDPOINTS):
+        parser.error(f"--endpoints takes {', '.join(ENDPOINTS)}")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "izh_cli.main", "serve", *([args.model] if args.model else [])]
@@ -184,21 +209,22 @@ def main() -> None:
                 if time.monotonic() > deadline or server.poll() is not None:
                     raise RuntimeError(f"izh serve did not start:\n{log.read_text()[-2000:]}")
                 time.sleep(0.5)
-            for endpoint in ENDPOINTS:  # warm-up: first requests compile and fill caches
-                asyncio.run(_batch(url, endpoint, 2, 2, 8, True))
+            model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+            for endpoint in endpoints:  # warm-up: first requests compile and fill caches
+                asyncio.run(_batch(url, endpoint, 2, 2, 8, True, model))
             for level in levels:
-                for stream in (True, False):
-                    per_endpoint: dict[str, list[dict[str, float]]] = {e: [] for e in ENDPOINTS}
+                for stream in (True,) if args.stream_only else (True, False):
+                    per_endpoint: dict[str, list[dict[str, float]]] = {e: [] for e in endpoints}
                     for _ in range(args.rounds):
-                        for endpoint in ENDPOINTS:
+                        for endpoint in endpoints:
                             cpu0 = cpu_seconds(server.pid)
                             wall, results = asyncio.run(
-                                _batch(url, endpoint, level, args.requests, args.max_tokens, stream)
+                                _batch(url, endpoint, level, args.requests, args.max_tokens, stream, model)
                             )
                             per_endpoint[endpoint].append(
                                 _summary(wall, results, cpu_seconds(server.pid) - cpu0)
                             )
-                    for endpoint in ENDPOINTS:
+                    for endpoint in endpoints:
                         row = {
                             "concurrency": level,
                             "stream": stream,
@@ -220,7 +246,7 @@ def main() -> None:
             server.wait(60)
     model, flags = cpu_model_and_flags()
     write_record(
-        "responses_vs_chat",
+        "_vs_".join(reversed(endpoints)),
         {
             "cpu_model": model,
             "cpu_flags": " ".join(flags),

@@ -113,7 +113,8 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     scheduled_ts: float = 0.0
     """Monotonic engine-clock times, sent with a request's first output (for queue/prefill metrics)."""
     embedding: bytes | None = None
-    """A pooling request's vector, little-endian float32 (numpy's '<f4'), on its finishing output."""
+    """A pooling request's vector (or a cross-encoder's score), little-endian float32 (numpy's '<f4'),
+    on its finishing output."""
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True):
@@ -174,7 +175,10 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
     device: str
     dtype: str
     can_generate: bool = True
-    """False for an encoder (BERT): it only embeds; generation requests are refused with a 400."""
+    """False for an encoder (BERT): it only pools; generation requests are refused with a 400."""
+    pooling_task: str = "embed"
+    """What its pooling requests do (izh.pooling_params.POOLING_TASKS): "embed", or "score" for a
+    cross-encoder (it scores text pairs and embeds nothing)."""
     hidden_size: int = 0
     """The size of an embedding (before `dimensions`)."""
     pooling_type: str = "last"

@@ -15,7 +15,7 @@ from izh.engine.core import EngineCore
 from izh.errors import InvalidRequest, LoraAdapterError
 from izh.frontend.input_processor import ModelFacts, process_request
 from izh.frontend.output_processor import OutputProcessor, PositionLogprobs, RequestState
-from izh.pooling_params import PoolingParams, embedding_floats
+from izh.pooling_params import PoolingParams, cosine, embedding_floats, score_params
 from izh.sampling_params import SamplingParams
 from izh.tokenizer import Tokenizer
 
@@ -67,6 +67,16 @@ class EmbeddingRequestOutput:
     embedding: list[float] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """The score of one pair (vLLM's `ScoringRequestOutput`, its `outputs.score` flattened)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    """The pair's tokens (a cross-encoder's one sequence; for an embedding model, text_2's)."""
+    score: float
+
+
 class LLM:
     """Load a model once, then generate for batches of prompts with continuous batching.
 
@@ -112,6 +122,7 @@ class LLM:
             vocab_size=self.engine_core.vocab_size,
             max_model_len=self.engine_core.max_model_len,
             can_generate=info["can_generate"],
+            pooling_task=info["pooling_task"],
             hidden_size=info["hidden_size"],
             matryoshka_dimensions=info["matryoshka_dimensions"],
             # A VLM: images are served over HTTP only (izh serve); a prompt may not hold their placeholder.
@@ -224,15 +235,52 @@ class LLM:
             pooling_type=info["pooling_type"], normalize=info["normalize_embeddings"], dimensions=dimensions
         )
         input_list = [inputs] if isinstance(inputs, str | dict) else list(inputs)
-        results: dict[str, EmbeddingRequestOutput] = {}
+        token_ids = [self._tokenize_prompt(prompt)[1] for prompt in input_list]
+        pooled = self._pool(token_ids, [pooling] * len(token_ids))
+        return [EmbeddingRequestOutput(request_id, ids, vector) for request_id, ids, vector in pooled]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[ScoringRequestOutput]:
+        """The relevance of text_1 to each text_2 (like vLLM's `LLM.score`; one text_1 against every
+        text_2, or item by item), as the server's /score computes it: a cross-encoder's score of each
+        pair (sentence-transformers' `CrossEncoder.predict`), or an embedding model's cosine of the
+        two embeddings. InvalidRequest for a generative model or mismatched lengths."""
+        first = [text_1] if isinstance(text_1, str) else list(text_1)
+        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        if not first or not second or (len(first) != 1 and len(first) != len(second)):
+            raise InvalidRequest(
+                f"give one text_1, or as many as text_2 (got {len(first)} and {len(second)})", param="text_2"
+            )
+        lefts = first if len(first) > 1 else first * len(second)
+        info = self.engine_core.embedding_info()
+        if info["pooling_task"] == "score":
+            encoded = [self.tokenizer.encode_pair(a, b) for a, b in zip(lefts, second, strict=True)]
+            pooled = self._pool([ids for ids, _ in encoded], [score_params(start) for _, start in encoded])
+            return [ScoringRequestOutput(request_id, ids, values[0]) for request_id, ids, values in pooled]
+        if info["can_generate"]:
+            raise InvalidRequest(
+                "this model generates text: score needs a cross-encoder or an embedding model", param="model"
+            )
+        vectors = self.embed([*first, *second])
+        left, right = vectors[: len(first)], vectors[len(first) :]
+        return [
+            ScoringRequestOutput(
+                out.request_id,
+                out.prompt_token_ids,
+                cosine(left[0 if len(left) == 1 else i].embedding, out.embedding),
+            )
+            for i, out in enumerate(right)
+        ]
+
+    def _pool(
+        self, token_ids: list[list[int]], poolings: list[PoolingParams]
+    ) -> list[tuple[str, list[int], list[float]]]:
+        """Each prompt's (request id, ids, pooled floats), in order: one pooling request per prompt."""
+        results: dict[str, tuple[list[int], list[float]]] = {}
         try:
-            for prompt in input_list:
-                _, token_ids = self._tokenize_prompt(prompt)
+            for ids, pooling in zip(token_ids, poolings, strict=True):
                 request_id = str(next(self._counter))
-                self._add_request(request_id, token_ids, SamplingParams(max_tokens=0), pooling_params=pooling)
-                results[request_id] = EmbeddingRequestOutput(
-                    request_id=request_id, prompt_token_ids=token_ids
-                )
+                self._add_request(request_id, ids, SamplingParams(max_tokens=0), pooling_params=pooling)
+                results[request_id] = (ids, [])
         except BaseException:
             self.engine_core.abort_requests(list(results))
             for request_id in results:
@@ -241,11 +289,9 @@ class LLM:
         while self.engine_core.has_unfinished_requests():
             for out in self.engine_core.step():
                 self._states.pop(out.request_id, None)
-                result = results.get(out.request_id)
-                if result is None or out.embedding is None:
-                    continue
-                result.embedding = embedding_floats(out.embedding)
-        return list(results.values())
+                if out.request_id in results and out.embedding is not None:
+                    results[out.request_id] = (results[out.request_id][0], embedding_floats(out.embedding))
+        return [(request_id, ids, values) for request_id, (ids, values) in results.items()]
 
     # --- internals (also used by the offline benchmark) -----------------------------------------
 

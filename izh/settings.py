@@ -430,7 +430,8 @@ class ServerSettings(_Section):
         default="auto",
         min_length=1,
         description="Tool call parser: auto (from the chat template), none, or a parser name (hermes, "
-        "llama3_json, mistral, qwen3_coder, pythonic, deepseek_v3, granite, phi4_mini_json).",
+        "llama3_json, mistral, qwen3_coder, pythonic, deepseek_v3, granite, phi4_mini_json, harmony / "
+        "openai (gpt-oss)).",
     )
     chat_template: str | None = Field(
         default=None,
@@ -441,7 +442,8 @@ class ServerSettings(_Section):
     reasoning_parser: str = Field(
         default="auto",
         min_length=1,
-        description="Reasoning parser: auto (from the chat template), none, or a parser name.",
+        description="Reasoning parser: auto (from the chat template), none, or a parser name (think, "
+        "deepseek_r1, qwen3, harmony / openai_gptoss (gpt-oss's analysis channel)).",
     )
     override_generation_config: str | None = Field(
         default=None,

@@ -44,7 +44,7 @@ from izh.api.rerank import routes as rerank
 from izh.api.responses import routes as responses
 from izh.api.responses.store import ResponseStore
 from izh.api.webui.routes import register_web_ui
-from izh.parsers.reasoning import resolve_reasoning_parser
+from izh.parsers.reasoning_parsers import resolve_reasoning_parser
 from izh.parsers.tools import select_tool_parser
 from izh.settings import LimitSettings, RateLimitSettings, ServerSettings, generation_config_override
 
@@ -85,12 +85,20 @@ def read_chat_template(value: str) -> str:
     As vLLM's --chat-template, the value may be the template itself in one line (it holds `{{` or
     `{%` and names no file)."""
     path = Path(value).expanduser()
-    if ("{{" in value or "{%" in value) and not path.is_file():
+    if ("{{" in value or "{%" in value) and not _is_file(path):
         return value
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"server.chat_template: cannot read {path}: {exc}") from None
+
+
+def _is_file(path: Path) -> bool:
+    """Path.is_file, False for a name the OS refuses (a one-line template longer than a file name)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 def build_app(

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from izh.config import CUDA_BATCHED_TOKENS, EngineConfig, default_batched_tokens
+from izh.config import EngineConfig
 from izh.engine.draft_model import (
     DraftModelProposer,
     DraftRequest,
@@ -193,6 +193,14 @@ class EngineCore:
             problem = f"it pools, but max_tokens is {max_tokens}, not 0"
         elif req.pooling_params is None and self.runner.is_encoder:
             problem = "this model is an encoder: it only takes pooling requests"
+        elif req.pooling_params is not None and req.pooling_params.task != self.pooling_task:
+            problem = f"it asks the pooling task {req.pooling_params.task!r} of a {self.pooling_task!r} model"
+        elif (
+            req.pooling_params is not None
+            and req.pooling_params.segment_start is not None
+            and req.pooling_params.segment_start >= len(prompt)
+        ):
+            problem = f"its segment_start {req.pooling_params.segment_start} is past its {len(prompt)} tokens"
         elif (
             req.pooling_params is not None
             and req.pooling_params.dimensions is not None
@@ -428,11 +436,17 @@ class EngineCore:
 
     # --- utilities ------------------------------------------------------------------------------
 
+    @property
+    def pooling_task(self) -> str:
+        """What this model's pooling requests do: "score" (a cross-encoder) or "embed"."""
+        return "embed" if self.runner.score_activation is None else "score"
+
     def embedding_info(self) -> dict[str, Any]:
-        """What the frontend needs to know to validate embedding requests (Ready's pooling fields)."""
+        """What the frontend needs to know to validate pooling requests (Ready's pooling fields)."""
         pooling = self.runner.pooling
         return {
             "can_generate": not self.runner.is_encoder,
+            "pooling_task": self.pooling_task,
             "hidden_size": self.runner.model_config.hidden_size,
             "pooling_type": pooling.pooling_type,
             "normalize_embeddings": pooling.normalize,

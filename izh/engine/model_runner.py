@@ -32,7 +32,9 @@ from izh.engine_messages import ImageInput, TokenLogprobs
 from izh.errors import ModelLoadError
 from izh.kernels import cpu as cpu_ops
 from izh.model.attention import AttentionMetadata, get_attention_backend
+from izh.model.bert import BertModel
 from izh.model.config import ModelConfig
+from izh.model.cross_encoder import CrossEncoderModel, pair_token_types, resolve_score_activation, score_rows
 from izh.model.idefics3 import Idefics3ForConditionalGeneration
 from izh.model.layers import limit_rope_positions
 from izh.model.llama import LlamaForCausalLM
@@ -185,13 +187,22 @@ class ModelRunner:
         self.model = cast(LlamaForCausalLM, model)
         self.model.eval()
         self.is_encoder = self.model_config.is_encoder
-        """An encoder only embeds: no KV cache tensors, no logits, no sampling."""
-        self.pooling: PoolingConfig = resolve_pooling(
-            config.model,
-            is_encoder=self.is_encoder,
-            pooling=config.pooling,
-            normalize=config.normalize_embeddings,
-        )
+        """An encoder only pools: no KV cache tensors, no logits, no sampling."""
+        self.score_activation: str | None = None
+        """A cross-encoder's (izh.model.cross_encoder): the activation over its logit; its pooling
+        requests score pairs (task "score"), and it embeds nothing."""
+        if self.model_config.num_labels:
+            self.score_activation = resolve_score_activation(config.model, self.model_config.num_labels)
+            self.pooling = PoolingConfig(
+                "cls", normalize=False, matryoshka_dimensions=None, max_seq_length=None
+            )
+        else:
+            self.pooling = resolve_pooling(
+                config.model,
+                is_encoder=self.is_encoder,
+                pooling=config.pooling,
+                normalize=config.normalize_embeddings,
+            )
         pack_model_weights(self.model, self.quantization, source_types, requested=config.quantization)
         logger.info("model loaded in %.2f s (%s, %s)", time.perf_counter() - start, self.device, self.dtype)
         if self.device.type == "cpu":
@@ -604,6 +615,9 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, attn_metadata, inputs_embeds)
         elif not lora_step and self.graph_runner is not None and self.graph_runner.can_run(attn_metadata):
             hidden = self.graph_runner.run(input_ids, positions, attn_metadata)
+        elif self.is_encoder:
+            types = self._token_type_ids(scheduled, pool_rows, int(input_ids.shape[0]))
+            hidden = cast(BertModel, self.model)(input_ids, positions, attn_metadata, types)
         else:
             hidden = self.model(input_ids, positions, attn_metadata)  # [num_tokens, hidden_size]
         embeddings = self._pool(scheduled, pool_rows, hidden) if pool_rows else {}
@@ -787,18 +801,39 @@ class ModelRunner:
             prompt_rows.append((i, rows, targets))
         return sample_rows, prompt_rows, pool_rows
 
-    @staticmethod
+    def _token_type_ids(
+        self, scheduled: list[ScheduledRequest], pool_rows: list[tuple[int, int, int]], num_tokens: int
+    ) -> torch.Tensor | None:
+        """An encoder step's token types: 1 over each pair's second segment (from its segment_start),
+        0 elsewhere; None (all 0) without pairs or for a model with one token type (XLM-RoBERTa,
+        whose tokenizer passes no token_type_ids)."""
+        if self.model_config.type_vocab_size < 2:
+            return None
+        segments = []
+        for i, start, end in pool_rows:
+            pooling = scheduled[i].request.pooling_params
+            if pooling is not None and pooling.segment_start is not None:
+                segments.append((start + pooling.segment_start, end))
+        return pair_token_types(num_tokens, segments, self.device) if segments else None
+
     def _pool(
-        scheduled: list[ScheduledRequest], pool_rows: list[tuple[int, int, int]], hidden: torch.Tensor
+        self, scheduled: list[ScheduledRequest], pool_rows: list[tuple[int, int, int]], hidden: torch.Tensor
     ) -> dict[str, bytes]:
-        """Each pooling request's vector from its rows of the final hidden states (izh.model.pooling)."""
+        """Each pooling request's result from its rows of the final hidden states: a vector
+        (izh.model.pooling), or a cross-encoder's score (izh.model.cross_encoder)."""
         params: list[PoolingParams] = []
         for i, _, _ in pool_rows:
             pooling = scheduled[i].request.pooling_params
             assert pooling is not None
             params.append(pooling)
+        ids = [scheduled[i].request.request_id for i, _, _ in pool_rows]
+        if self.score_activation is not None:
+            assert all(p.task == "score" for p in params)
+            model = cast(CrossEncoderModel, self.model)
+            scores = score_rows(model, hidden, [start for _, start, _ in pool_rows], self.score_activation)
+            return dict(zip(ids, scores, strict=True))
         vectors = pool(hidden, [(start, end) for _, start, end in pool_rows], params)
-        return {scheduled[i].request.request_id: v for (i, _, _), v in zip(pool_rows, vectors, strict=True)}
+        return dict(zip(ids, vectors, strict=True))
 
     def _sample(
         self,

@@ -528,6 +528,7 @@ class AsyncLLM:
             vocab_size=ready.vocab_size,
             max_model_len=ready.max_model_len,
             can_generate=ready.can_generate,
+            pooling_task=ready.pooling_task,
             hidden_size=ready.hidden_size,
             matryoshka_dimensions=ready.matryoshka_dimensions,
             image_token_id=self.image_processor.image_token_id if self.image_processor is not None else None,

@@ -36,6 +36,8 @@ class ModelFacts:
     vocab_size: int
     max_model_len: int
     can_generate: bool = True
+    pooling_task: str = "embed"
+    """What the model's pooling requests do: "embed", or "score" (a cross-encoder)."""
     hidden_size: int = 0
     matryoshka_dimensions: Sequence[int] | None = None
     image_token_id: int | None = None
@@ -74,6 +76,7 @@ def process_request(
         prompt_param=prompt_param,
         pooling_params=pooling_params,
         can_generate=facts.can_generate,
+        pooling_task=facts.pooling_task,
         hidden_size=facts.hidden_size,
         matryoshka_dimensions=facts.matryoshka_dimensions,
     )
@@ -110,13 +113,14 @@ def validate_request(
     prompt_param: str = "prompt",
     pooling_params: PoolingParams | None = None,
     can_generate: bool = True,
+    pooling_task: str = "embed",
     hidden_size: int = 0,
     matryoshka_dimensions: Sequence[int] | None = None,
 ) -> SamplingParams:
     """Check one request (n == 1) against the model; returns its params with max_tokens resolved.
 
-    An embedding request (`pooling_params` set, max_tokens 0) has its `dimensions` checked against
-    the model (`validate_pooling`); a generation request to a model that cannot generate (an
+    A pooling request (`pooling_params` set, max_tokens 0) has its task and `dimensions` checked
+    against the model (`validate_pooling`); a generation request to a model that cannot generate (an
     encoder: `can_generate` False) is refused, naming `model`.
 
     In this order: the prompt (non-empty, every id in [0, vocab_size)); the context length (a
@@ -129,16 +133,25 @@ def validate_request(
     ContextLengthExceeded when the prompt plus max_tokens do not fit `max_model_len`.
     """
     if pooling_params is not None:
-        validate_pooling(pooling_params, hidden_size=hidden_size, matryoshka_dimensions=matryoshka_dimensions)
+        validate_pooling(
+            pooling_params,
+            task=pooling_task,
+            hidden_size=hidden_size,
+            matryoshka_dimensions=matryoshka_dimensions,
+        )
         if params.max_tokens != 0:
             raise InvalidRequest(
                 "an embedding request generates no tokens (max_tokens 0)", param="max_tokens"
             )
+        if pooling_params.segment_start is not None and pooling_params.segment_start >= len(prompt_token_ids):
+            raise InvalidRequest(
+                f"the pair's second segment starts at token {pooling_params.segment_start}, past the "
+                f"{len(prompt_token_ids)} tokens of the {prompt_param}",
+                param=prompt_param,
+            )
     elif not can_generate:
         raise InvalidRequest(
-            "this model is an embedding model (an encoder): it cannot generate text; use /v1/embeddings",
-            param="model",
-            code="model_cannot_generate",
+            cannot_generate_message(pooling_task), param="model", code="model_cannot_generate"
         )
     check_prompt_token_ids(prompt_token_ids, vocab_size, prompt_param)
     params = resolve_context(len(prompt_token_ids), params, max_model_len, prompt_param)
@@ -201,12 +214,35 @@ def resolve_context(
     return params
 
 
+def cannot_generate_message(pooling_task: str, model: str = "this model") -> str:
+    """Why a model that only pools refuses generation, and which routes it serves."""
+    if pooling_task == "score":
+        return f"{model} is a cross-encoder (a reranker): it cannot generate text; use /v1/rerank or /score"
+    return f"{model} is an embedding model (an encoder): it cannot generate text; use /v1/embeddings"
+
+
 def validate_pooling(
-    pooling: PoolingParams, *, hidden_size: int, matryoshka_dimensions: Sequence[int] | None
+    pooling: PoolingParams,
+    *,
+    task: str = "embed",
+    hidden_size: int,
+    matryoshka_dimensions: Sequence[int] | None,
 ) -> None:
-    """InvalidRequest(param="dimensions") unless the model may return `pooling.dimensions` values: it
+    """InvalidRequest(param="model") for a task the model does not pool for (a cross-encoder scores
+    pairs and embeds nothing; an embedding model has no classifier head to score with); then
+    InvalidRequest(param="dimensions") unless the model may return `pooling.dimensions` values: it
     must declare Matryoshka training (config.json's `matryoshka_dimensions` or `is_matryoshka`), and
     the size must be one it lists (or any up to the hidden size, for `is_matryoshka`)."""
+    if pooling.task != task:
+        if task == "score":
+            why = "a cross-encoder: it scores text pairs (/v1/rerank, /score) and returns no embeddings"
+        else:
+            why = "no cross-encoder: it has no classifier head to score a text pair with"
+        raise InvalidRequest(
+            f"this model is {why}",
+            param="model",
+            code="model_cannot_embed" if task == "score" else "model_cannot_score",
+        )
     dims = pooling.dimensions
     if dims is None:
         return

@@ -1,8 +1,9 @@
 """BERT, the encoder of sentence-transformers models (all-MiniLM-L6-v2 and kin), over a flat batch.
 
 Bidirectional attention over each whole sequence (no causal mask, no KV cache: the engine schedules
-an encoder's request whole and pools it in the same step), absolute position embeddings, token type
-0 for every token, post-LayerNorm residual blocks, GELU. Module and parameter names are transformers'
+an encoder's request whole and pools it in the same step), absolute position embeddings (from
+`position_offset`: RoBERTa's start past its padding index), token types (0 unless the runner passes
+a pair's types: a cross-encoder's second segment is type 1), post-LayerNorm residual blocks, GELU. Module and parameter names are transformers'
 `BertModel`'s, so its checkpoints load as they are (a `bert.` prefix, as BertForMaskedLM writes, is
 stripped by the loader; the unused pooler and heads are skipped).
 
@@ -49,14 +50,19 @@ class BertEmbeddings(nn.Module):
         super().__init__()
         h = config.hidden_size
         self.word_embeddings = Embedding(config.vocab_size, h, dtype=dtype)
-        self.position_embeddings = Embedding(config.max_position_embeddings, h, dtype=dtype)
+        self.position_offset = config.position_offset
+        num_positions = config.max_position_embeddings + config.position_offset
+        self.position_embeddings = Embedding(num_positions, h, dtype=dtype)
         self.token_type_embeddings = Embedding(max(config.type_vocab_size, 1), h, dtype=dtype)
         self.LayerNorm = LayerNorm(h, config.rms_norm_eps, dtype=dtype)
 
-    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
         x = F.embedding(input_ids, self.word_embeddings.weight)
-        x = x + F.embedding(positions, self.position_embeddings.weight)
-        x = x + self.token_type_embeddings.weight[0]  # token type 0 for every token
+        x = x + F.embedding(positions + self.position_offset, self.position_embeddings.weight)
+        if token_type_ids is None:
+            x = x + self.token_type_embeddings.weight[0]  # token type 0 for every token
+        else:
+            x = x + F.embedding(token_type_ids, self.token_type_embeddings.weight)
         return self.LayerNorm(x)
 
 
@@ -168,12 +174,19 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(config, dtype=dtype)
         self.encoder = BertEncoder(config, dtype=dtype)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, attn_metadata: AttentionMetadata) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        attn_metadata: AttentionMetadata,
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
         """Hidden states [num_tokens, hidden_size] of whole sequences (each sequence's tokens are all
-        in this batch: query lengths equal sequence lengths)."""
+        in this batch: query lengths equal sequence lengths); `token_type_ids` [num_tokens] or None
+        (type 0 throughout)."""
         query_lens = attn_metadata.host_query_lens()
         padding = _Padding(query_lens, input_ids.device)
-        x = self.embeddings(input_ids, positions)
+        x = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.encoder.layer:
             x = layer(x, padding)
         return x

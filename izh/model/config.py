@@ -21,6 +21,8 @@ _HF_ARCH_TO_TYPE = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "BertModel": "bert",
+    "BertForSequenceClassification": "bert_classifier",
+    "XLMRobertaForSequenceClassification": "xlm_roberta_classifier",
     "Idefics3ForConditionalGeneration": "idefics3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
@@ -31,6 +33,9 @@ _HF_ARCH_TO_TYPE = {
     "MixtralForCausalLM": "mixtral",
 }
 MOE_ARCHITECTURES = ("qwen3moe", "mixtral")
+
+CLASSIFIER_ARCHITECTURES = ("bert_classifier", "xlm_roberta_classifier")
+"""Cross-encoders: a BERT-style encoder and a sequence-classification head (izh.model.cross_encoder)."""
 
 GEMMA_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
 
@@ -121,6 +126,11 @@ class ModelConfig:
     `rms_norm_eps` then holds its LayerNorm's eps, and `rope_theta` is unused."""
     hidden_act: str = "silu"
     type_vocab_size: int = 0
+    num_labels: int = 0
+    """A cross-encoder's classifier outputs (izh serves 1: a relevance score); 0 without a head."""
+    position_offset: int = 0
+    """The position id of the first token (RoBERTa's padding_idx + 1); `max_position_embeddings`
+    counts the positions left after it."""
     vision: VisionConfig | None = None
     """A vision-language model's image encoder (Idefics3); None for a text-only model."""
     image_token_id: int = -1
@@ -174,8 +184,8 @@ class ModelConfig:
     def from_hf_config(cls, d: Mapping[str, Any]) -> ModelConfig:
         """Build from a parsed Hugging Face config.json; raises ModelLoadError for unsupported features."""
         architecture = hf_architecture(d)
-        if architecture == "bert":
-            return cls._from_hf_bert_config(d)
+        if architecture == "bert" or architecture in CLASSIFIER_ARCHITECTURES:
+            return cls._from_hf_bert_config(d, architecture)
         if architecture == "idefics3":
             return cls._from_hf_idefics3_config(d)
         if architecture in GEMMA_ARCHITECTURES:
@@ -293,7 +303,9 @@ class ModelConfig:
         )
 
     @classmethod
-    def _from_hf_bert_config(cls, d: Mapping[str, Any]) -> ModelConfig:
+    def _from_hf_bert_config(cls, d: Mapping[str, Any], architecture: str) -> ModelConfig:
+        """BERT, and the cross-encoders over it: BertForSequenceClassification and
+        XLMRobertaForSequenceClassification (positions from padding_idx + 1, a tanh head)."""
         position_type = d.get("position_embedding_type", "absolute")
         if position_type != "absolute":
             raise UnsupportedModel(
@@ -303,11 +315,18 @@ class ModelConfig:
             raise UnsupportedModel(
                 "is_decoder=true is not supported for BERT (izh serves BERT as an encoder)"
             )
+        num_labels = _hf_num_labels(d) if architecture in CLASSIFIER_ARCHITECTURES else 0
+        if architecture in CLASSIFIER_ARCHITECTURES and num_labels != 1:
+            raise UnsupportedModel(
+                f"this cross-encoder has {num_labels} labels; izh scores with single-label cross-encoders "
+                "(num_labels 1, one relevance score per pair, as rerankers are), not multi-label classifiers"
+            )
+        offset = int(d.get("pad_token_id", 1)) + 1 if architecture == "xlm_roberta_classifier" else 0
         try:
             hidden_size = int(d["hidden_size"])
             num_heads = int(d["num_attention_heads"])
             return cls(
-                architecture="bert",
+                architecture=architecture,
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden_size,
                 intermediate_size=int(d["intermediate_size"]),
@@ -318,13 +337,15 @@ class ModelConfig:
                 rms_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
                 rope_theta=0.0,
                 rope_scaling=None,
-                max_position_embeddings=int(d.get("max_position_embeddings", 512)),
+                max_position_embeddings=int(d.get("max_position_embeddings", 512)) - offset,
                 tie_word_embeddings=False,
                 attention_bias=True,
                 qk_norm=False,
                 is_encoder=True,
                 hidden_act=str(d.get("hidden_act", "gelu")),
                 type_vocab_size=int(d.get("type_vocab_size", 2)),
+                num_labels=num_labels,
+                position_offset=offset,
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks the required field {e.args[0]!r}") from e
@@ -454,6 +475,14 @@ def _gguf_gemma(config: ModelConfig, metadata: Mapping[str, Any]) -> ModelConfig
         attn_logit_softcapping=float(metadata.get(f"{arch}.attn_logit_softcapping") or 0.0),
         final_logit_softcapping=float(metadata.get(f"{arch}.final_logit_softcapping") or 0.0),
     )
+
+
+def _hf_num_labels(d: Mapping[str, Any]) -> int:
+    """transformers' rule: as many labels as id2label names, else num_labels, else 2."""
+    id2label = d.get("id2label")
+    if isinstance(id2label, Mapping) and id2label:
+        return len(id2label)
+    return int(d.get("num_labels", 2))
 
 
 def hf_architecture(d: Mapping[str, Any]) -> str:

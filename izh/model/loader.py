@@ -114,7 +114,7 @@ def load_model(
             else:
                 tensors = list(_safetensors_checkpoint_tensors(path, files))
             if config.is_encoder:
-                tensors = _encoder_tensors(tensors)
+                tensors = _encoder_tensors(tensors, keep_pooler=config.architecture == "bert_classifier")
             if config.vision is not None:
                 tensors = _vlm_tensors(tensors)
             if config.architecture in GEMMA_ARCHITECTURES:
@@ -156,17 +156,19 @@ def load_model(
     return model, config
 
 
-_ENCODER_UNUSED = ("pooler.", "cls.", "embeddings.position_ids")
-"""BERT checkpoint tensors izh does not use: the [CLS] pooler and the pre-training heads (embeddings
-pool their own way, izh.model.pooling), and a saved position-ids buffer."""
+_ENCODER_UNUSED = ("cls.", "embeddings.position_ids", "embeddings.token_type_ids")
+"""BERT checkpoint tensors izh does not use: the pre-training heads, and saved position-ids and
+token-type-ids buffers; and the [CLS] pooler, unless a classifier reads it (embeddings pool their own
+way, izh.model.pooling)."""
 
 
-def _encoder_tensors(tensors: list[CheckpointTensor]) -> list[CheckpointTensor]:
-    """A BERT checkpoint under BertModel's names: a `bert.` prefix stripped, unused tensors skipped."""
+def _encoder_tensors(tensors: list[CheckpointTensor], *, keep_pooler: bool) -> list[CheckpointTensor]:
+    """A BERT (or XLM-RoBERTa) checkpoint under BertModel's names: a `bert.` (`roberta.`) prefix
+    stripped, unused tensors skipped (the pooler too unless `keep_pooler`: BertForSequenceClassification)."""
     kept = []
     for t in tensors:
-        name = t.name.removeprefix("bert.")
-        if name.startswith(_ENCODER_UNUSED):
+        name = t.name.removeprefix("bert.").removeprefix("roberta.")
+        if name.startswith(_ENCODER_UNUSED) or (not keep_pooler and name.startswith("pooler.")):
             continue
         kept.append(CheckpointTensor(name=name, shape=t.shape, source=t.source, read=t.read))
     return kept

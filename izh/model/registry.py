@@ -11,6 +11,7 @@ from izh.errors import UnsupportedModel
 from izh.model.attention import AttentionMetadata
 from izh.model.bert import BertModel
 from izh.model.config import ModelConfig
+from izh.model.cross_encoder import BertForSequenceClassification, XLMRobertaForSequenceClassification
 from izh.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from izh.model.idefics3 import Idefics3ForConditionalGeneration
 from izh.model.llama import LlamaForCausalLM
@@ -39,6 +40,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM] | type[BertModel]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "BertModel": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
@@ -49,6 +52,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM] | type[BertModel]] = {
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "bert": BertModel,
+    "bert_classifier": BertForSequenceClassification,
+    "xlm_roberta_classifier": XLMRobertaForSequenceClassification,
     "idefics3": Idefics3ForConditionalGeneration,
     "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,

@@ -131,29 +131,6 @@ class ThinkReasoningParser:
         )
 
 
-REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
-    "think": ThinkReasoningParser,
-    "deepseek_r1": ThinkReasoningParser,
-    "qwen3": ThinkReasoningParser,
-}
-"""Named reasoning parsers; "auto" picks "think" when the chat template mentions `<think>`."""
-
-
-def resolve_reasoning_parser(name: str | None, chat_template: str | None) -> str | None:
-    """The parser to use for `name` ("auto", "none" or a key of REASONING_PARSERS), or None.
-
-    Raises ValueError listing the supported names for anything else (a configuration error).
-    """
-    if name is None or name in ("", "none"):
-        return None
-    if name == "auto":
-        return "think" if chat_template is not None and THINK_START in chat_template else None
-    if name not in REASONING_PARSERS:
-        supported = ", ".join(["auto", "none", *REASONING_PARSERS])
-        raise ValueError(f"unknown reasoning parser {name!r}; supported: {supported}")
-    return name
-
-
 def prompt_ends_in_reasoning(prompt: str) -> bool:
     """Whether a rendered prompt leaves a `<think>` open, so the output starts inside reasoning."""
     start = prompt.rfind(THINK_START)

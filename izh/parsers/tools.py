@@ -5,6 +5,7 @@ format calls for (`--tool-call-parser auto`). The parsers' behaviour is izh.pars
 from __future__ import annotations
 
 from izh.parsers.deepseek import CALLS_BEGIN, DeepSeekV3ToolParser
+from izh.parsers.harmony import HarmonyToolParser, is_harmony_template
 from izh.parsers.hermes import HERMES_START, HermesToolParser
 from izh.parsers.json_formats import (
     GRANITE_TOOL_CALL,
@@ -27,6 +28,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v3": DeepSeekV3ToolParser,
     "granite": GraniteToolParser,
     "phi4_mini_json": Phi4MiniJsonToolParser,
+    "harmony": HarmonyToolParser,
+    "openai": HarmonyToolParser,
 }
 
 _PYTHONIC_HINTS = (PYTHON_START, "[func_name1(params_name1=params_value1")
@@ -36,6 +39,8 @@ _PYTHONIC_HINTS = (PYTHON_START, "[func_name1(params_name1=params_value1")
 def detect_tool_parser(chat_template: str | None) -> str:
     """The parser a chat template's tool format calls for, from the markers it writes; hermes when none."""
     template = chat_template or ""
+    if is_harmony_template(template):
+        return "harmony"  # gpt-oss: calls are commentary messages to functions.NAME
     if FUNCTION_START in template and PARAMETER_START in template:
         return "qwen3_coder"  # before hermes: its calls sit inside <tool_call> too
     if CALLS_BEGIN in template:

@@ -121,6 +121,20 @@ class Tokenizer:
         """Token ids of `text`; special tokens written in the text (e.g. "<|im_start|>") match whole."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], int | None]:
+        """A text pair as one sequence, as transformers' tokenizer(first, second) encodes it for a
+        cross-encoder (the post-processor's pair template: `[CLS] a [SEP] b [SEP]`, `<s> a </s></s> b
+        </s>`), and where its token type 1 starts (None when every token is type 0).
+
+        Raises ValueError when the types are not 0s then 1s (a template izh cannot pass as one start).
+        """
+        encoding = self.backend.encode(first, pair=second, add_special_tokens=True)
+        types = encoding.type_ids
+        start = types.index(1) if 1 in types else None
+        if start is not None and any(t != 1 for t in types[start:]):
+            raise ValueError("the tokenizer's pair template interleaves its token types")
+        return encoding.ids, start
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids`; invalid UTF-8 becomes U+FFFD, ids outside the vocabulary decode to "".
         No clean-up of spaces is applied. InvalidRequest for ids that are not 32-bit unsigned."""

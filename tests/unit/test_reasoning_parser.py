@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from izh.parsers.reasoning import (
-    ReasoningDelta,
-    ThinkReasoningParser,
-    prompt_ends_in_reasoning,
-    resolve_reasoning_parser,
-)
+from izh.parsers.reasoning import ReasoningDelta, ThinkReasoningParser, prompt_ends_in_reasoning
+from izh.parsers.reasoning_parsers import resolve_reasoning_parser
 
 
 def _stream(pieces: list[str], *, starts_in_reasoning: bool = False) -> tuple[str, str, list[ReasoningDelta]]:

@@ -13,7 +13,7 @@ from izh.api.common.chat_protocol import (
 from izh.api.common.state import ApiState
 from izh.parsers.hermes import HermesToolParser
 from izh.parsers.loose import LooseToolParser
-from izh.parsers.reasoning import REASONING_PARSERS, ThinkReasoningParser
+from izh.parsers.reasoning_parsers import ReasoningParser, make_reasoning_parser
 from izh.parsers.tool_calls import ContentDelta, Delta, ToolParser
 from izh.parsers.tools import select_tool_parser
 
@@ -47,7 +47,7 @@ class ChoiceParsers:
     the generation.
     """
 
-    reasoning: ThinkReasoningParser | None
+    reasoning: ReasoningParser | None
     tools: ToolParser | None
     forced: bool = False
     max_calls: int | None = None
@@ -124,7 +124,7 @@ class ChatContext:
     def new_parsers(self) -> ChoiceParsers:
         reasoning = None
         if self.parser_name is not None:
-            reasoning = REASONING_PARSERS[self.parser_name](starts_in_reasoning=self.starts_in_reasoning)
+            reasoning = make_reasoning_parser(self.parser_name, starts_in_reasoning=self.starts_in_reasoning)
         tools = self.tool_parser() if self.tool_parser is not None else None
         if tools is not None and self.loose_tool_names is not None:
             tools = LooseToolParser(tools, self.loose_tool_names)

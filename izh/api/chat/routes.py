@@ -59,8 +59,10 @@ from izh.api.common.state import (
     request_id_of,
 )
 from izh.errors import InvalidRequest
+from izh.parsers.harmony import HarmonyToolParser
 from izh.parsers.hermes import HermesToolParser
 from izh.parsers.reasoning import prompt_ends_in_reasoning
+from izh.parsers.reasoning_parsers import HARMONY_PARSERS, reasoning_in_think_block
 from izh.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -163,10 +165,13 @@ async def prepare_chat(
         constraint = await answer_constraint(
             state,
             constraint,
-            reasoning=ctx.parser_name is not None,
+            reasoning=reasoning_in_think_block(ctx.parser_name),
             prompt_text=prompt.text,
             starts_in_reasoning=ctx.starts_in_reasoning,
         )
+    if ctx.parser_name in HARMONY_PARSERS or ctx.tool_parser is HarmonyToolParser:
+        # Harmony's markers are special tokens: its parsers read them, and drop them from the answer.
+        body = body.model_copy(update={"skip_special_tokens": False})
     params = chat_sampling_params(
         state, body, len(prompt.token_ids), constraint, clamp_output_length=clamp_output_length
     )

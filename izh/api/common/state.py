@@ -17,6 +17,7 @@ from izh.api.common.protocol import RequestModel, parse_body
 from izh.api.responses.reasoning import ReasoningSeal
 from izh.api.responses.store import ResponseStore
 from izh.errors import EngineDead, InvalidRequest, ModelNotFound, Overloaded
+from izh.frontend.input_processor import cannot_generate_message
 from izh.settings import LimitSettings
 
 if TYPE_CHECKING:
@@ -82,13 +83,13 @@ def check_model(state: ApiState, model: str | None) -> str | None:
 
 
 def check_can_generate(state: ApiState) -> None:
-    """A generation route on a model that only embeds (an encoder) is a 400 naming `model`, before
-    anything else about the request (its chat template, say) is looked at. The input processor
-    refuses such requests too; this only says it first."""
-    if not state.llm.ready.can_generate:
+    """A generation route on a model that only pools (an embedding encoder, a cross-encoder) is a 400
+    naming `model`, before anything else about the request (its chat template, say) is looked at.
+    The input processor refuses such requests too; this only says it first."""
+    ready = state.llm.ready
+    if not ready.can_generate:
         raise InvalidRequest(
-            f"the model `{state.model_name}` is an embedding model (an encoder): it cannot generate "
-            "text; use /v1/embeddings",
+            cannot_generate_message(ready.pooling_task, f"the model `{state.model_name}`"),
             param="model",
             code="model_cannot_generate",
         )

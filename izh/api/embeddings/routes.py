@@ -88,19 +88,31 @@ def check_token_limit(token_ids: list[list[int]], field: str = "input") -> None:
             )
 
 
+def check_can_embed(state: ApiState) -> None:
+    """A cross-encoder scores pairs and embeds nothing: /v1/embeddings on one is a 400 naming `model`."""
+    if state.llm.ready.pooling_task == "score":
+        raise InvalidRequest(
+            f"the model `{state.model_name}` is a cross-encoder (a reranker): it scores text pairs "
+            "(/v1/rerank, /score) and returns no embeddings",
+            param="model",
+            code="model_cannot_embed",
+        )
+
+
 async def admit_pooling(
     state: ApiState,
     base_id: str,
     token_ids: list[list[int]],
-    pooling: PoolingParams,
+    poolings: list[PoolingParams],
     lora_name: str | None,
     fields: list[str] | None = None,
 ) -> list[Child]:
-    """One prompt-only request per input, all or none (the admitted ones are aborted on a refusal)."""
+    """One prompt-only request per input (`poolings[i]` its pooling), all or none (the admitted ones
+    are aborted on a refusal)."""
     children: list[Child] = []
     params = SamplingParams(max_tokens=0)
     try:
-        for i, ids in enumerate(token_ids):
+        for i, (ids, pooling) in enumerate(zip(token_ids, poolings, strict=True)):
             stream = await state.llm.add_request(
                 f"{base_id}-{i}",
                 ids,
@@ -155,6 +167,7 @@ async def create_embedding(request: Request) -> Response:
     check_serving(request)
     body = await read_json(request, EmbeddingRequest)
     lora_name = check_model(state, body.model)
+    check_can_embed(state)
     _check_body(body)
     llm = state.llm
     ready = llm.ready
@@ -165,7 +178,9 @@ async def create_embedding(request: Request) -> Response:
         pooling_type=ready.pooling_type, normalize=ready.normalize_embeddings, dimensions=body.dimensions
     )
     request_id = request_id_of(request)
-    children = await admit_pooling(state, f"embd-{request_id}", token_ids, pooling, lora_name)
+    children = await admit_pooling(
+        state, f"embd-{request_id}", token_ids, [pooling] * len(token_ids), lora_name
+    )
     state.metrics.count_request("/v1/embeddings")
     logger.debug("[%s] embeddings: %d inputs", request_id, len(children))
     collect = _collect(
