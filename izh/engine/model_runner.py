@@ -295,7 +295,7 @@ class ModelRunner:
     def _warm_up(self) -> None:
         """One prefill chunk and two decode steps of a dummy sequence in the KV cache's first blocks (then
         zeroed again), with their logits into the step buffer: the first requests then find the buffers
-        the steps keep (the logits buffer, the kernels' per-thread activation buffers, the allocator's
+        the steps keep (the logits buffer's first row, the kernels' per-thread activation buffers, the allocator's
         arenas) already grown and faulted in, the OpenMP team started, and every code path of a step run
         once, instead of paying for it inside the first responses."""
         tokens = min(64, self.max_model_len - 2, self.num_blocks * self.block_size - 2)
@@ -305,7 +305,7 @@ class ModelRunner:
         dev = self.device
         logits = self._logits_buffer(1)
         if logits is not None:
-            logits.zero_()  # fault in every page of the reused buffer now
+            logits.zero_()  # fault in the reused buffer's pages now (it grows with the batch later)
         token_id = min(1, self.vocab_size - 1)
         for start, count in ((0, tokens), (tokens, 1), (tokens + 1, 1)):
             meta = AttentionMetadata.from_block_tables(
@@ -680,14 +680,16 @@ class ModelRunner:
         return self._logits_buffer(num_rows)
 
     def _logits_buffer(self, num_rows: int) -> torch.Tensor | None:
-        """A float32 [max_num_seqs, vocab] buffer reused by every step (None for more rows, as prompt
-        logprobs can ask): the sampler works on it in place, and nothing keeps it past the step."""
+        """A float32 [rows, vocab] buffer reused by every step (None for more than max_num_seqs rows, as
+        prompt logprobs can ask): the sampler works on it in place, and nothing keeps it past the step.
+
+        It grows with the batch (to the next power of two rows, at most max_num_seqs), so a server that
+        runs a few streams holds a few rows: 128 rows of a 152k vocabulary are 74 MB."""
         if num_rows > self.config.max_num_seqs:
             return None
-        if self._logits is None:
-            self._logits = torch.empty(
-                (self.config.max_num_seqs, self.vocab_size), dtype=torch.float32, device=self.device
-            )
+        if self._logits is None or self._logits.shape[0] < num_rows:
+            rows = min(self.config.max_num_seqs, 1 << max(num_rows - 1, 0).bit_length())
+            self._logits = torch.empty((rows, self.vocab_size), dtype=torch.float32, device=self.device)
         return self._logits
 
     def _prepare_inputs(
