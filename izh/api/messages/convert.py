@@ -43,15 +43,13 @@ from izh.api.common.chat_protocol import (
     ChatMessageParam,
     ContentPart,
     FunctionCallParam,
-    FunctionDefinition,
-    NamedToolChoice,
-    NamedToolChoiceFunction,
     ToolCallParam,
-    ToolParam,
 )
 from izh.api.common.errors import validation_error_to_invalid_request
 from izh.api.common.protocol import JsonSchemaFormat, ResponseFormat
+from izh.api.messages.blocks import as_block, check_keys, text_of, unsupported
 from izh.api.messages.protocol import CountTokensRequest, MessageParam, MessagesRequest
+from izh.api.messages.tools import chat_tool_choice, chat_tools, referenced_tools, tool_reference
 from izh.errors import InvalidRequest
 
 MIN_THINKING_BUDGET_TOKENS = 1024
@@ -73,55 +71,21 @@ class Conversion:
     """The body asked for context edits (its response then reports `context_management`)."""
 
 
-_HINT_KEYS = frozenset({"cache_control"})
-"""Keys any block or tool may carry that change nothing here."""
-
-
-def unsupported(param: str, message: str) -> InvalidRequest:
-    return InvalidRequest(f"{param}: {message}", param=param, code="unsupported")
-
-
-def _check_keys(block: dict[str, Any], allowed: set[str], param: str) -> None:
-    """Refuse a key outside `allowed` that holds something (clients echo a response's blocks back with
-    its null fields, e.g. a tool_use's `caller: null`)."""
-    for key, value in block.items():
-        if value is None or (key == "caller" and value == {"type": "direct"}):
-            continue  # unset, or the model calling the tool itself (the only caller here)
-        if key not in allowed and key not in _HINT_KEYS:
-            raise unsupported(f"{param}.{key}", f"the field {key!r} is not supported here")
-
-
-def _text_of(block: dict[str, Any], param: str) -> str:
-    _check_keys(block, {"type", "text", "citations"}, param)
-    text = block.get("text")
-    if not isinstance(text, str):
-        raise InvalidRequest(f"{param}.text: a text block needs a string 'text'", param=f"{param}.text")
-    if block.get("citations"):
-        raise unsupported(f"{param}.citations", "citations are not supported")
-    return text
-
-
-def _block(value: Any, param: str) -> dict[str, Any]:
-    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise InvalidRequest(f"{param}: expected a content block with a 'type'", param=param)
-    return value
-
-
 def system_text(system: str | list[dict[str, Any]] | None) -> str | None:
     """The system prompt's text (text blocks joined by newlines), or None."""
     if system is None or isinstance(system, str):
         return system or None
     texts = []
     for index, value in enumerate(system):
-        block = _block(value, f"system.{index}")
+        block = as_block(value, f"system.{index}")
         if block["type"] != "text":
             raise unsupported(f"system.{index}.type", f"system blocks must be text, got {block['type']!r}")
-        texts.append(_text_of(block, f"system.{index}"))
+        texts.append(text_of(block, f"system.{index}"))
     return "\n".join(texts) or None
 
 
 def _image_part(block: dict[str, Any], param: str) -> ContentPart:
-    _check_keys(block, {"type", "source"}, param)
+    check_keys(block, {"type", "source"}, param)
     source = block.get("source")
     if not isinstance(source, dict):
         raise InvalidRequest(f"{param}.source: an image block needs a source", param=f"{param}.source")
@@ -141,7 +105,7 @@ def _image_part(block: dict[str, Any], param: str) -> ContentPart:
 
 
 def _tool_result(block: dict[str, Any], param: str) -> ChatMessageParam:
-    _check_keys(block, {"type", "tool_use_id", "content", "is_error"}, param)
+    check_keys(block, {"type", "tool_use_id", "content", "is_error"}, param)
     tool_use_id = block.get("tool_use_id")
     if not isinstance(tool_use_id, str):
         raise InvalidRequest(f"{param}.tool_use_id: expected a string", param=f"{param}.tool_use_id")
@@ -150,51 +114,22 @@ def _tool_result(block: dict[str, Any], param: str) -> ChatMessageParam:
         texts = []
         for index, value in enumerate(content):
             where = f"{param}.content.{index}"
-            part = _block(value, where)
+            part = as_block(value, where)
             if part["type"] == "tool_reference":
-                texts.append(f"Tool loaded: {_tool_reference(part, where)}")
+                texts.append(f"Tool loaded: {tool_reference(part, where)}")
                 continue
             if part["type"] != "text":
                 raise unsupported(
                     f"{where}.type",
                     f"tool results may hold text and tool_reference blocks only, got {part['type']!r}",
                 )
-            texts.append(_text_of(part, where))
+            texts.append(text_of(part, where))
         content = "\n".join(texts)
     if not isinstance(content, str):
         raise InvalidRequest(f"{param}.content: expected a string or text blocks", param=f"{param}.content")
     if block.get("is_error"):
         content = f"Error: {content}"
     return ChatMessageParam(role="tool", content=content, tool_call_id=tool_use_id)
-
-
-def _tool_reference(block: dict[str, Any], param: str) -> str:
-    """The tool a tool_reference block loads (a deferred tool, rendered from then on)."""
-    _check_keys(block, {"type", "tool_name"}, param)
-    name = block.get("tool_name")
-    if not isinstance(name, str):
-        raise InvalidRequest(f"{param}.tool_name: expected the tool's name", param=f"{param}.tool_name")
-    return name
-
-
-def _referenced_tools(messages: list[MessageParam]) -> set[str]:
-    """The tools named by tool_reference blocks in the conversation's tool results."""
-    names: set[str] = set()
-    for message in messages:
-        if isinstance(message.content, str):
-            continue
-        for block in message.content:
-            content = block.get("content") if isinstance(block, dict) else None
-            if block.get("type") != "tool_result" or not isinstance(content, list):
-                continue
-            names |= {
-                part["tool_name"]
-                for part in content
-                if isinstance(part, dict)
-                and part.get("type") == "tool_reference"
-                and isinstance(part.get("tool_name"), str)
-            }
-    return names
 
 
 def _user_messages(message: MessageParam, param: str) -> list[ChatMessageParam]:
@@ -205,7 +140,7 @@ def _user_messages(message: MessageParam, param: str) -> list[ChatMessageParam]:
     parts: list[ContentPart] = []
     for index, value in enumerate(message.content):
         where = f"{param}.content.{index}"
-        block = _block(value, where)
+        block = as_block(value, where)
         kind = block["type"]
         if kind == "tool_result":
             if parts:
@@ -213,7 +148,7 @@ def _user_messages(message: MessageParam, param: str) -> list[ChatMessageParam]:
                 parts = []
             out.append(_tool_result(block, where))
         elif kind == "text":
-            parts.append(ContentPart(type="text", text=_text_of(block, where)))
+            parts.append(ContentPart(type="text", text=text_of(block, where)))
         elif kind == "image":
             parts.append(_image_part(block, where))
         else:
@@ -233,16 +168,16 @@ def _system_message(message: MessageParam, param: str) -> ChatMessageParam:
     texts = []
     for index, value in enumerate(message.content):
         where = f"{param}.content.{index}"
-        block = _block(value, where)
+        block = as_block(value, where)
         if block["type"] != "text":
             raise unsupported(f"{where}.type", f"system turns hold text blocks only, got {block['type']!r}")
-        texts.append(_text_of(block, where))
+        texts.append(text_of(block, where))
     return ChatMessageParam(role="system", content="\n".join(texts))
 
 
 def _thinking_text(block: dict[str, Any], where: str, open_signature: OpenSignature | None) -> str:
     """A thinking block's text; an empty one (display "omitted") is read back from its signature."""
-    _check_keys(block, {"type", "thinking", "signature"}, where)
+    check_keys(block, {"type", "thinking", "signature"}, where)
     text = block.get("thinking")
     if not isinstance(text, str):
         raise InvalidRequest(f"{where}.thinking: expected a string", param=f"{where}.thinking")
@@ -264,14 +199,14 @@ def _assistant_message(
     calls: list[ToolCallParam] = []
     for index, value in enumerate(message.content):
         where = f"{param}.content.{index}"
-        block = _block(value, where)
+        block = as_block(value, where)
         kind = block["type"]
         if kind == "text":
-            texts.append(_text_of(block, where))
+            texts.append(text_of(block, where))
         elif kind == "thinking":
             thoughts.append(_thinking_text(block, where, open_signature))
         elif kind == "tool_use":
-            _check_keys(block, {"type", "id", "name", "input"}, where)
+            check_keys(block, {"type", "id", "name", "input"}, where)
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise InvalidRequest(f"{where}: a tool_use block needs an id and a name", param=where)
             arguments = block.get("input", {})
@@ -311,7 +246,7 @@ def _thinking_turns_kept(body: CountTokensRequest | MessagesRequest) -> int | No
             raise unsupported(
                 f"{param}.type", f"context edits of type {kind!r} are not supported here ({CLEAR_THINKING})"
             )
-        _check_keys(edit, {"type", "keep"}, param)
+        check_keys(edit, {"type", "keep"}, param)
         keep = edit.get("keep")
         if keep is None:
             keep = {"type": "thinking_turns", "value": 1}  # Anthropic's default: the latest turn
@@ -354,88 +289,6 @@ def chat_messages(
             if dropped is not None and conversion is not None:
                 conversion.cleared_thinking.append(dropped)
     return messages
-
-
-def chat_tools(
-    tools: list[dict[str, Any]] | None, loaded: set[str] | frozenset[str] = frozenset()
-) -> list[ToolParam] | None:
-    """The function tools to render: every custom tool but a deferred one (`defer_loading`) that no
-    tool_reference has `loaded`."""
-    if not tools:
-        return None
-    out: list[ToolParam] = []
-    for index, tool in enumerate(tools):
-        param = f"tools.{index}"
-        kind = tool.get("type", "custom")
-        if kind != "custom":
-            raise unsupported(
-                f"{param}.type", f"tools of type {kind!r} are not supported here (custom tools only)"
-            )
-        # eager_input_streaming: izh always streams a call's input as it is written.
-        _check_keys(
-            tool,
-            {
-                "type",
-                "name",
-                "description",
-                "input_schema",
-                "strict",
-                "eager_input_streaming",
-                "defer_loading",
-            },
-            param,
-        )
-        if tool.get("defer_loading") is True and tool.get("name") not in loaded:
-            continue
-        try:
-            function = FunctionDefinition.model_validate(
-                {
-                    "name": tool.get("name"),
-                    "description": tool.get("description"),
-                    "parameters": tool.get("input_schema"),
-                    "strict": tool.get("strict"),
-                }
-            )
-        except pydantic.ValidationError as exc:
-            error = validation_error_to_invalid_request(exc)
-            name = (error.param or "").replace("parameters", "input_schema")
-            raise InvalidRequest(
-                f"{param}.{name}: {error.message.split(': ', 1)[-1]}", param=f"{param}.{name}"
-            ) from None
-        if function.parameters is None:
-            raise InvalidRequest(
-                f"{param}.input_schema: a tool needs an input_schema", param=f"{param}.input_schema"
-            )
-        out.append(ToolParam(function=function))
-    return out or None
-
-
-def chat_tool_choice(
-    choice: dict[str, Any] | None, has_tools: bool
-) -> tuple[str | NamedToolChoice | None, bool | None]:
-    """(chat's tool_choice, parallel_tool_calls) for Anthropic's tool_choice."""
-    if choice is None:
-        return None, None
-    kind = choice.get("type")
-    allowed = {"type", "disable_parallel_tool_use"} | ({"name"} if kind == "tool" else set())
-    _check_keys(choice, allowed, "tool_choice")
-    parallel = False if choice.get("disable_parallel_tool_use") else None
-    if kind in ("auto", "any", "tool") and not has_tools:
-        raise InvalidRequest(f"tool_choice: {kind!r} needs tools", param="tool_choice")
-    if kind == "auto":
-        return "auto", parallel
-    if kind == "any":
-        return "required", parallel
-    if kind == "none":
-        return "none", None
-    if kind == "tool":
-        name = choice.get("name")
-        if not isinstance(name, str):
-            raise InvalidRequest("tool_choice.name: expected the tool's name", param="tool_choice.name")
-        return NamedToolChoice(function=NamedToolChoiceFunction(name=name)), parallel
-    raise InvalidRequest(
-        f"tool_choice.type: expected auto, any, tool or none, got {kind!r}", param="tool_choice.type"
-    )
 
 
 def check_thinking(body: CountTokensRequest | MessagesRequest, reasoning: bool) -> dict[str, Any] | None:
@@ -483,7 +336,7 @@ def chat_request(
     """The chat request `body` means (`reasoning`: the server parses the model's thinking;
     `open_signature` reads back thinking sent with display "omitted"; `conversion` collects what
     the context edits cleared)."""
-    tools = chat_tools(body.tools, _referenced_tools(body.messages))
+    tools = chat_tools(body.tools, referenced_tools(body.messages))
     tool_choice, parallel = chat_tool_choice(body.tool_choice, bool(body.tools))
     if tools is None and tool_choice is not None:
         # Every tool is deferred and none loaded yet: nothing to call.
