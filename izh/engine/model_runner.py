@@ -221,6 +221,17 @@ class ModelRunner:
         """The KV cache groups (izh.model.sliding_window): sliding-window layers in their own groups,
         whose blocks the KV cache manager frees once the window has passed them."""
         self.num_blocks = self._resolve_num_blocks()
+        if self.kv_layout.windows != (None,):
+            windows = self.kv_layout.windows
+            logger.info(
+                "KV cache: %d group(s) of %d layer(s), %d full attention, %d sliding (window %s): the "
+                "sliding groups free the blocks their window has passed",
+                len(windows),
+                self.kv_layout.num_tensors,
+                windows.count(None),
+                len(windows) - windows.count(None),
+                ", ".join(sorted({str(w) for w in windows if w is not None})),
+            )
         if self.tp_runtime is not None:
             mc = self.model_config
             shape = [
