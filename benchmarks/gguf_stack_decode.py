@@ -7,7 +7,7 @@ prefill of one long prompt, in one process on one kernel variant.
 Decode: one greedy request (--input-len prompt tokens, --output-len new ones), --rounds times with the
 stack and without it (`model.fused_stack = None`: every layer through the modules), alternated; the
 median per-step decode time of each. Prefill: a --prefill-len-token prompt, 1 new token, --rounds times
-(its matmuls run on the AMX tiles from 16 rows in the amx variant, on AVX-512 VNNI in avx512: run the
+(its matmuls run on the AMX tiles from 8-12 rows in the amx variant, on AVX-512 VNNI in avx512: run the
 script once per variant). Writes one JSON under bench_results/.
 """
 

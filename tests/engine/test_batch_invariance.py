@@ -119,7 +119,7 @@ def variant(request: pytest.FixtureRequest) -> Iterator[str]:
 
 @pytest.mark.parametrize(
     ("kind", "qtype"),
-    # Q4_1: izh's records; Q5_0: the file's own blocks (their matmuls on the AMX tiles from 16 rows in the
+    # Q4_1: izh's records; Q5_0: the file's own blocks (their matmuls on the AMX tiles from 12 rows in the
     # amx variant: prefills there, decodes on AVX-512)
     [
         ("llama", "Q4_1"),

@@ -91,19 +91,21 @@ def _amx_skip_reason() -> str | None:
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_amx_tiles_are_the_reference_bit_for_bit_at_large_row_counts(name: str) -> None:
-    """The amx variant's tiles (from 16 rows) at 1-70 rows (the test above) and at 128 and 300 rows, odd
+    """The amx variant's tiles (from 8 or 12 rows) at 1-70 rows (the test above) and at 128 and 300 rows, odd
     weight-row counts (tails of the 16-row tile groups), 1 and 2 threads."""
     reason = _amx_skip_reason()
     if reason:
         pytest.skip(reason)
     bs = G.block_size(name)
     with cpu_ops.use_variant("amx"):
-        assert not G.gguf_uses_amx(name, 15) and G.gguf_uses_amx(name, 16) and G.gguf_uses_amx(name, 300)
+        first = 8 if bs == 256 else 12  # csrc/gguf_blocks.c's GQ_AMX_MIN_M(_K)
+        assert not G.gguf_uses_amx(name, first - 1) and G.gguf_uses_amx(name, first)
+        assert G.gguf_uses_amx(name, 300)
         for n, k in [(37, 2 * bs), (16, 5 * bs if bs == 32 else bs)]:
             raw = torch.from_numpy(_raw(name, n, k, n * k))
             x = _x(300, k, n)
             want = G.gguf_matmul_ref(x, name, raw, n, k)
-            for m in (16, 17, 48, 128, 300):
+            for m in (first - 1, first, 17, 48, 128, 300):
                 for threads in (1, 2):
                     torch.set_num_threads(threads)
                     try:
