@@ -224,9 +224,6 @@ class _SeqGroup:
     num_blocks: int
     mask: Tensor | None
     """[num_seqs, 1, group * max_query_len | 1, max_seq_len] bool, True = visible; None = all visible."""
-    decode: tuple[Tensor, Tensor, Tensor] | None = None
-    """For a group of decodes: (block tables int32 [S, width], seq_lens int32 [S], slots of -1 [S]), the
-    arguments of the fused CPU decode kernel."""
     workspace: Tensor | None = None
     """[2, num_seqs * num_blocks, block row] gathered K/V, allocated by the first layer and reused by the
     others: a fresh multi-MB buffer per layer costs more (page faults) than the gather itself."""
@@ -305,34 +302,11 @@ class PagedTorchAttentionBackend(AttentionBackend):
     ) -> Tensor:
         if kv_cache is None:
             raise ValueError("the paged backend needs a bound KV cache")
-        fused = self.runs_c_kernels(kv_cache)
-        if fused and attn_metadata.max_query_len == 1:
-            # Decodes only: one C kernel writes the new K/V and attends straight from the blocks.
-            return cpu_ops.paged_decode_attention(
-                query,
-                key,
-                value,
-                kv_cache,
-                attn_metadata.slot_mapping,
-                attn_metadata.block_tables,
-                attn_metadata.seq_lens,
-                scale,
-            )
-        if fused:
-            # Prefill chunks (with any decodes): every token attends as a decode at its position would,
-            # in one C call, so its result depends on neither the batch nor the chunking.
-            row_seq, row_lens = _token_rows(attn_metadata)
-            return cpu_ops.paged_attention(
-                query,
-                key,
-                value,
-                kv_cache,
-                attn_metadata.slot_mapping,
-                attn_metadata.block_tables,
-                row_seq,
-                row_lens,
-                scale,
-            )
+        if self.runs_c_kernels(kv_cache):
+            # Decodes only: one C kernel writes the new K/V and attends straight from the blocks. Prefill
+            # chunks (with any decodes): every token attends as a decode at its position would, in one C
+            # call, so its result depends on neither the batch nor the chunking.
+            return self.windowed(query, key, value, kv_cache, attn_metadata, scale, window=0)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key.shape[1]
         group = num_heads // num_kv_heads
@@ -350,16 +324,7 @@ class PagedTorchAttentionBackend(AttentionBackend):
         out = query.new_empty(num_tokens, num_heads, head_dim)
         for g in groups:
             q = query[g.tokens] if isinstance(g.tokens, slice) else query.index_select(0, g.tokens)
-            if fused and g.decode is not None:
-                # K/V are already written (slots -1: the kernel writes nothing), attend from the blocks.
-                tables, seq_lens, no_slots = g.decode
-                if isinstance(g.tokens, slice):
-                    k, v = key[g.tokens], value[g.tokens]
-                else:
-                    k, v = key.index_select(0, g.tokens), value.index_select(0, g.tokens)
-                o = cpu_ops.paged_decode_attention(q, k, v, kv_cache, no_slots, tables, seq_lens, scale)
-            else:
-                o = self._attend(q, key_blocks, value_blocks, g, block_size, group, scale)
+            o = self._attend(q, key_blocks, value_blocks, g, block_size, group, scale)
             if isinstance(g.tokens, slice):
                 out[g.tokens] = o
             else:
@@ -474,12 +439,7 @@ def _build_group(
         tables = meta.block_tables.index_select(0, torch.tensor(seqs, dtype=torch.int64, device=device))
     # -1 padding (if any) becomes block 0: real memory, and masked out.
     block_ids = tables[:, :num_blocks].clamp(min=0).to(torch.int64).reshape(-1)
-    decode = None
-    if max_q == 1:
-        lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-        decode = (tables.contiguous(), lens, torch.full((len(seqs),), -1, dtype=torch.int64, device=device))
     return _SeqGroup(
-        decode=decode,
         tokens=tokens,
         num_seqs=len(seqs),
         max_query_len=max_q,
