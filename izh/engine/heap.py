@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import sys
 
@@ -26,8 +27,6 @@ def release_free_heap() -> None:
         trim = libc.malloc_trim
     except (OSError, AttributeError):  # musl and other libcs have no malloc_trim
         return
-    import gc
-
     gc.collect()
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
