@@ -7,8 +7,9 @@ their `<tool_call>` tags), `<tools>` instead of `<tool_call>`, or several calls 
 parser's content for such calls, so every route that parses tool calls (chat, Responses, Messages)
 gets them as calls instead of text. It is used only with tool_choice "auto" (forced calls are
 Hermes blocks by grammar), and it only takes a call to a tool the request offered, whose JSON starts
-`{"name": "<tool>", "arguments": {` ("parameters" counts too): anything else, a JSON example in an
-answer included, stays content as written.
+`{"name": "<tool>", "arguments": {` ("function" counts for "name", as Qwen2.5-Coder-1.5B writes it
+for Codex; "parameters" for "arguments"): anything else, a JSON example in an answer included, stays
+content as written.
 
 The wrappers (openers, then one or more call objects, separated by whitespace or commas, optionally
 inside `[...]`, then the closer):
@@ -31,6 +32,7 @@ from izh.parsers.tool_calls import CallBody, ContentDelta, Delta, ToolParser
 from izh.parsers.tool_json import ObjectScanner, partial_suffix_length
 
 _ARGUMENT_KEYS = ("arguments", "parameters")
+_NAME_KEYS = ("name", "function")
 _TAGS = {"<tool_call>": "</tool_call>", "<tools>": "</tools>", "<tool_calls>": "</tool_calls>"}
 _FENCE = "```"
 _FENCE_LANGUAGES = ("", "json", "tool_call", "tool_calls", "tool_code")
@@ -192,7 +194,7 @@ class LooseToolParser(ToolParser):
             return True
         if head[0] == "{":
             self._position += skipped
-            self._body = CallBody(self, _ARGUMENT_KEYS, accept=self._accept)
+            self._body = CallBody(self, _ARGUMENT_KEYS, accept=self._accept, name_keys=_NAME_KEYS)
             self._object_end = ObjectScanner()
             return True
         if not self._num_block_calls:

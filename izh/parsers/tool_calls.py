@@ -7,9 +7,11 @@ Arguments stream as they are generated, like OpenAI's and vLLM's: a call whose J
 `{"name": "<name>", "arguments": {` (whitespace aside; "parameters" counts too) is a call from then
 on. Its first delta carries index, id, type and name; the following ones the arguments' text as the
 model writes it, up to the `}` closing the arguments object; what comes after that inside the call
-is dropped. Such a call cannot turn back into content: if the model breaks the JSON inside the
-arguments (possible only without a grammar, tool_choice "auto"), the client gets the arguments as
-written, as OpenAI warns its clients they may. A call cut off (max_tokens, a stop string) keeps the
+is dropped. The one rewrite: string escapes JSON lacks (`\\'`, which models used to Python write)
+are repaired as they stream (tool_json.EscapeRepair), so that the arguments parse. Such a call
+cannot turn back into content: if the model breaks the JSON inside the arguments otherwise
+(possible only without a grammar, tool_choice "auto"), the client gets the arguments as written,
+as OpenAI warns its clients they may. A call cut off (max_tokens, a stop string) keeps the
 arguments it had. A call whose JSON starts any other way (arguments before the name, arguments as a
 string) is parsed once complete: a valid one is emitted with its arguments re-serialized, in one
 fragment, and a malformed one stays content as the raw text it was. Arguments are a JSON object's
@@ -41,10 +43,17 @@ import secrets
 import string
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from izh.parsers.tool_json import ObjectScanner, call_header, parse_call, without_json_space
+from izh.parsers.tool_json import (
+    NAME_KEYS,
+    EscapeRepair,
+    ObjectScanner,
+    call_header,
+    parse_call,
+    without_json_space,
+)
 
 _CALL_ID_ALPHABET = string.ascii_letters + string.digits
 
@@ -109,6 +118,7 @@ class _OpenCall:
     name: str
     arguments: str = ""
     held: bool = False
+    repair: EscapeRepair = field(default_factory=EscapeRepair)
 
     def first_delta(self) -> ToolCallDelta:
         return ToolCallDelta(self.index, id=self.id, type="function", name=self.name)
@@ -175,6 +185,7 @@ class ToolParser(ABC):
     def _call_arguments(self, fragment: str) -> list[Delta]:
         call = self._open
         assert call is not None
+        fragment = call.repair.feed(fragment)
         call.arguments += fragment
         if not call.held:
             return [ToolCallDelta(call.index, arguments=fragment)] if fragment else []
@@ -187,12 +198,14 @@ class ToolParser(ABC):
         """The open call ends: its arguments are complete, or (not `complete`) cut off."""
         call = self._open
         assert call is not None
+        tail = call.repair.finish()  # a backslash that ended arguments cut off
+        deltas = self._call_arguments(tail) if tail else []
         self._open = None
         key = _call_key(call.name, call.arguments)
         if call.held and (key in self._call_keys or not complete):
             self.done = True  # a repeat, or cut off while it could be one: the message ends before it
             return []
-        deltas = self._release(call) if call.held else []
+        deltas += self._release(call) if call.held else []
         self._call_keys.add(key)
         self._num_calls += 1
         if complete and self._max_calls is not None and self._num_calls >= self._max_calls:
@@ -237,9 +250,11 @@ class CallBody:
         parser: ToolParser,
         argument_keys: tuple[str, ...],
         accept: Callable[[str], bool] | None = None,
+        name_keys: tuple[str, ...] = NAME_KEYS,
     ) -> None:
         self._parser = parser
         self._argument_keys = argument_keys
+        self._name_keys = name_keys
         self._accept = accept
         self._state = "header"  # → "arguments" → "after"; or "header" → "whole" | "rejected"
         self._arguments = ObjectScanner()
@@ -258,7 +273,7 @@ class CallBody:
     def update(self, body: str, out: list[Delta]) -> None:
         """`body` is the text so far; each call sees the previous one's text extended."""
         if self._state == "header":
-            header = call_header(body, self._argument_keys)
+            header = call_header(body, self._argument_keys, self._name_keys)
             if header is False:
                 self._state = "whole" if self._accept is None else "rejected"
             elif header is not True and self._accept is not None and not self._accept(header[0]):
@@ -290,7 +305,7 @@ class CallBody:
             return True
         if self._accept is not None:
             return False
-        call = parse_call(body, self._argument_keys)
+        call = parse_call(body, self._argument_keys, self._name_keys)
         if call is None:
             return False
         out.extend(self._parser._whole_call(*call))

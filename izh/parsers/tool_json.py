@@ -1,5 +1,6 @@
 """The JSON text of tool calls, scanned as it grows: a call object's header and end, a whole call
-parsed, JSON without its whitespace, and a tag's partial suffix (text held back in case it is one).
+parsed, JSON without its whitespace, a tag's partial suffix (text held back in case it is one), and
+the string escapes JSON does not have, repaired.
 """
 
 from __future__ import annotations
@@ -32,9 +33,15 @@ def without_json_space(text: str) -> str:
 _JSON_SPACE = " \t\r\n"
 
 
-def call_header(text: str, argument_keys: tuple[str, ...]) -> tuple[str, int] | bool:
-    """(name, where the arguments object starts) when `text` starts `{"name": "<name>", "<key>": {`
-    with `<key>` one of `argument_keys`; True while `text` could still grow into that, else False."""
+NAME_KEYS = ("name",)
+
+
+def call_header(
+    text: str, argument_keys: tuple[str, ...], name_keys: tuple[str, ...] = NAME_KEYS
+) -> tuple[str, int] | bool:
+    """(name, where the arguments object starts) when `text` starts `{"<name key>": "<name>",
+    "<key>": {` with the keys among `name_keys` and `argument_keys`; True while `text` could still
+    grow into that, else False."""
     name = ""
     position = 0
     for step in ("{", "name key", ":", "name", ",", "arguments key", ":", "arguments"):
@@ -56,7 +63,7 @@ def call_header(text: str, argument_keys: tuple[str, ...]) -> tuple[str, int] | 
             if not value:
                 return False
             name = value
-        elif value not in (("name",) if step == "name key" else argument_keys):
+        elif value not in (name_keys if step == "name key" else argument_keys):
             return False
     raise AssertionError("unreachable: the last step returns")
 
@@ -119,19 +126,22 @@ class ObjectScanner:
         return None
 
 
-def parse_call(text: str, argument_keys: tuple[str, ...]) -> tuple[str, str] | None:
+def parse_call(
+    text: str, argument_keys: tuple[str, ...], name_keys: tuple[str, ...] = NAME_KEYS
+) -> tuple[str, str] | None:
     """(name, arguments JSON) of a call object's text, or None when it is not a valid call.
 
-    The arguments are the first of `argument_keys` present: an object, a string holding one
-    (some models double-encode), or absent/null for a parameterless call ("{}").
+    The name is the first of `name_keys` present. The arguments are the first of `argument_keys`
+    present: an object, a string holding one (some models double-encode), or absent/null for a
+    parameterless call ("{}"). Escapes JSON lacks (`\\'`) are repaired first (`EscapeRepair`).
     """
     try:
-        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        value = json.loads(repair_escapes(text), parse_constant=_reject_constant, parse_float=_finite_float)
     except ValueError:
         return None
     if not isinstance(value, dict):
         return None
-    name = value.get("name")
+    name = next((value[key] for key in name_keys if key in value), None)
     if not isinstance(name, str) or not name:
         return None
     arguments = next((value[key] for key in argument_keys if key in value), None)
@@ -168,3 +178,51 @@ def partial_suffix_length(text: str, tag: str) -> int:
 
 def strip_partial_suffix(text: str, tag: str) -> str:
     return text[: len(text) - partial_suffix_length(text, tag)]
+
+
+_JSON_ESCAPES = frozenset('"\\/bfnrtu')
+
+
+class EscapeRepair:
+    """Rewrites the escapes JSON lacks inside the strings of JSON text fed piece by piece.
+
+    Models trained on Python and shell write `\\'` inside JSON strings (`"print(\\'hi\\')"`), which
+    no JSON parser takes, so the client would get arguments it cannot read. `\\'` becomes `'`, what
+    the model meant; a backslash before any other character JSON does not escape becomes an escaped
+    backslash (`\\d` → `\\\\d`), keeping the character the model wrote. Valid JSON passes unchanged. A
+    backslash that ends a piece is held until the next piece shows what it escapes (`finish` gives
+    it back as an escaped backslash if no piece follows).
+    """
+
+    def __init__(self) -> None:
+        self._in_string = False
+        self._backslash = False  # a backslash was read, its escaped character not yet
+
+    def feed(self, text: str) -> str:
+        out: list[str] = []
+        for char in text:
+            if self._backslash:
+                self._backslash = False
+                if char in _JSON_ESCAPES:
+                    out.append("\\" + char)
+                elif char == "'":
+                    out.append(char)
+                else:
+                    out.append("\\\\" + char)
+            elif self._in_string and char == "\\":
+                self._backslash = True
+            else:
+                if char == '"':
+                    self._in_string = not self._in_string
+                out.append(char)
+        return "".join(out)
+
+    def finish(self) -> str:
+        held, self._backslash = self._backslash, False
+        return "\\\\" if held else ""
+
+
+def repair_escapes(text: str) -> str:
+    """`text` with the escapes JSON lacks repaired (see `EscapeRepair`)."""
+    repair = EscapeRepair()
+    return repair.feed(text) + repair.finish()

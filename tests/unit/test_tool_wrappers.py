@@ -25,6 +25,7 @@ from tests.unit.test_tool_parsers import TOOLS, _ByteTokenizer
 NAMES = {"exec_command", "get_weather"}
 EXEC = '{"name": "exec_command", "arguments": {"cmd": ["python3", "hello.py"], "workdir": "/tmp/x"}}'
 EXEC_CALL = ("exec_command", json.dumps({"cmd": ["python3", "hello.py"], "workdir": "/tmp/x"}))
+EXEC_FUNCTION_KEY = EXEC.replace('"name"', '"function"')
 PARIS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 PARIS_CALL = ("get_weather", '{"city": "Paris"}')
 OSLO_CALL = ("get_weather", '{"city": "Oslo"}')
@@ -38,6 +39,16 @@ CASES: list[tuple[str, str | None, list[tuple[str, str]]]] = [
         [EXEC_CALL],
     ),
     (f"```\n{EXEC}\n```", None, [EXEC_CALL]),
+    # The same model's other habits there: "function" for "name", and Python's \' inside strings
+    # (repaired to ', so that the arguments parse; \d keeps its backslash).
+    (f"```json\n{EXEC_FUNCTION_KEY}\n```", None, [EXEC_CALL]),
+    (
+        "```json\n"
+        + r'{"function": "exec_command", "arguments": {"cmd": "python3 -c \'print(1)\' \d"}}'
+        + "\n```",
+        None,
+        [("exec_command", '{"cmd": "python3 -c \'print(1)\' \\\\d"}')],
+    ),
     (f"```tool_call\n{EXEC}\n```", None, [EXEC_CALL]),
     # Qwen2.5 without its tags: the whole message, or a line of its own after text.
     (PARIS, None, [PARIS_CALL]),
@@ -192,3 +203,27 @@ def test_auto_grammar(ll_tokenizer: llguidance.LLTokenizer, text: str, serial: b
 def test_auto_grammar_without_tools() -> None:
     assert auto_tool_call_grammar([], True) is None
     assert auto_tool_call_grammar(None, True) is None
+
+
+@pytest.mark.parametrize(
+    ("arguments", "repaired"),
+    [
+        (r'{"city": "O\'Hare"}', '{"city": "O\'Hare"}'),
+        (r'{"re": "\d+\.\w", "ok": "a\"b\\c\n\u00e9"}', r'{"re": "\\d+\\.\\w", "ok": "a\"b\\c\n\u00e9"}'),
+        (r'{"a": "\'"}', '{"a": "\'"}'),
+    ],
+)
+def test_format_calls_repair_escapes(arguments: str, repaired: str) -> None:
+    """A format's own call (Hermes) with escapes JSON lacks streams repaired at every split."""
+    text = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+    for step in (None, 1, 3):
+        content, calls, _ = parse(HermesToolParser, text, step)
+        assert (content, calls) == (None, [("get_weather", repaired)]), step
+        json.loads(calls[0][1])
+
+
+def test_call_cut_off_after_a_backslash_keeps_it() -> None:
+    content, calls, _ = parse(
+        HermesToolParser, '<tool_call>{"name": "get_weather", "arguments": {"city": "a\\', 1
+    )
+    assert (content, calls) == (None, [("get_weather", '{"city": "a\\\\')])
