@@ -293,11 +293,17 @@ def main() -> None:
     parser.add_argument("--agents", nargs="+", default=["codex", "claude"])
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--short", action="store_true", help="Codex with short instructions (see codex_env)")
+    parser.add_argument(
+        "--greedy",
+        action="store_true",
+        help="serve with temperature 0 (server.override_generation_config): neither agent sends one",
+    )
     parser.add_argument("--timeout-s", type=float, default=3600)
     parser.add_argument("--out", default=str(REPO / "bench_results"))
     args = parser.parse_args()
     scratch = Path(f"/tmp/izh-agents-bench-{os.getpid()}")
-    served = serve(args.gguf, args.model, scratch / "server", args.max_model_len)
+    greedy = ("--override-generation-config", '{"temperature": 0}') if args.greedy else ()
+    served = serve(args.gguf, args.model, scratch / "server", args.max_model_len, extra_args=greedy)
     results: dict[str, Any] = {}
     try:
         for agent in args.agents:
