@@ -96,11 +96,12 @@ def _messages(*work: str) -> list[dict[str, str]]:
 
 
 def start_llama_server(
-    binary: str, model: str, draft: str, draft_max: int, log: Path
+    binary: str, model: str, draft: str, draft_max: int, log: Path, threads: int
 ) -> tuple[subprocess.Popen, str]:
-    """llama.cpp's server with speculative decoding by the draft model `draft` (2 threads, as izh's 2 cores)."""
+    """llama.cpp's server with speculative decoding by the draft model `draft` (`threads` threads, as izh's)."""
     port = free_port()
-    cmd = [binary, "-m", model, "-md", draft, "--spec-draft-n-max", str(draft_max), "-t", "2"]
+    cmd = [binary, "-m", model, "-md", draft, "--spec-draft-n-max", str(draft_max), "-t", str(threads)]
+    cmd += ["-tb", str(threads), "-td", str(threads), "-tbd", str(threads)]
     cmd += ["--port", str(port), "-c", "2048", "--alias", "m"]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -109,11 +110,13 @@ def start_llama_server(
 
 
 def start_server(
-    model: str, speculative: str | None, cpu_kernels: str, log: Path, kv_bytes: str
+    model: str, speculative: str | None, cpu_kernels: str, log: Path, kv_bytes: str, threads: int | None
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "izh_cli.main", "serve", model, "--port", str(port)]
     cmd += ["--max-model-len", "2048", "--served-model-name", "m", "--kv-cache-memory-bytes", kv_bytes]
+    if threads is not None:
+        cmd += ["--num-threads", str(threads)]
     if speculative is not None:
         cmd += ["--speculative-config", speculative]
     env = {**os.environ, "IZH_CPU_KERNELS": cpu_kernels}
@@ -208,6 +211,7 @@ def offline(args: argparse.Namespace) -> None:
         "max_model_len": 2048,
         "cpu_kernels": args.cpu_kernels,
         "kv_cache_memory_bytes": parse_byte_size(args.kv_cache_memory_bytes),
+        "num_threads": args.threads,
     }
     engines = {"base": LLM(args.model, **common), "spec": LLM(args.model, speculative=spec_config, **common)}
     functions = _workload(args.workload)
@@ -251,6 +255,7 @@ def offline(args: argparse.Namespace) -> None:
         "model": args.model,
         "speculative_config": json.loads(args.speculative_config),
         "cpu_kernels": args.cpu_kernels,
+        "threads": args.threads,
         "dtype": str(engines["base"].engine_core.dtype),
         "rounds": args.rounds,
         "max_tokens": args.max_tokens,
@@ -281,7 +286,7 @@ def offline(args: argparse.Namespace) -> None:
     fields["acceptance_rate"] = stats.spec_decode_num_accepted_tokens / max(
         stats.spec_decode_num_draft_tokens, 1
     )
-    fields["note"] = "host shared with concurrent work (noise): 2 cores, load average 10-16 during the run"
+    fields["load_average_at_end"] = os.getloadavg()
     write_record("spec_decode", fields, args.out)
     print(json.dumps(fields, indent=1))
 
@@ -312,6 +317,12 @@ def main() -> None:
     parser.add_argument("--llama-draft", default=None, help="llama-server's -md draft model file")
     parser.add_argument("--llama-draft-max", type=int, default=5, help="llama-server's --spec-draft-n-max")
     parser.add_argument("--offline", action="store_true", help="in-process engines, no HTTP servers")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="izh's CPU threads (and llama-server's -t); default: izh's own",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.offline:
@@ -324,7 +335,7 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="izh-spec-bench-"))
     servers = {
         "base": start_server(
-            args.model, None, args.cpu_kernels, logs / "base.log", args.kv_cache_memory_bytes
+            args.model, None, args.cpu_kernels, logs / "base.log", args.kv_cache_memory_bytes, args.threads
         ),
         "spec": start_server(
             args.model,
@@ -332,11 +343,17 @@ def main() -> None:
             args.cpu_kernels,
             logs / "spec.log",
             args.kv_cache_memory_bytes,
+            args.threads,
         ),
     }
     if args.llama_server:
         servers["llama"] = start_llama_server(
-            args.llama_server, args.model, args.llama_draft, args.llama_draft_max, logs / "llama.log"
+            args.llama_server,
+            args.model,
+            args.llama_draft,
+            args.llama_draft_max,
+            logs / "llama.log",
+            args.threads or 2,
         )
     runs: dict[str, dict[str, list]] = {name: {"single": [], "streams": []} for name in servers}
     try:
@@ -382,6 +399,7 @@ def main() -> None:
         "model": args.model,
         "speculative_config": json.loads(args.speculative_config),
         "cpu_kernels": args.cpu_kernels,
+        "threads": args.threads,
         "workload": args.workload,
         "max_tokens": args.max_tokens,
         "llama_server": (
@@ -409,7 +427,7 @@ def main() -> None:
         },
         "spec_counters": spec_counters,
         "acceptance_rate": spec_counters["num_accepted_tokens"] / max(spec_counters["num_draft_tokens"], 1),
-        "note": "host shared with concurrent work (noise)",
+        "load_average_at_end": os.getloadavg(),
     }
     write_record("spec_decode", fields, args.out)
     print(json.dumps({k: v for k, v in fields.items() if k not in ("single", "streams")}, indent=1))

@@ -26,7 +26,7 @@
  *
  * Dot products: AVX2 vpmaddubsw on (|c|, q with c's sign) then vpmaddwd (|c| <= 128, |q| <= 127: a pair
  * sum stays below 2^15); AVX-512 VNNI vpdpbusd on the same operands, 64 inputs per instruction for the
- * 256-input blocks; in the amx build, from GQ_AMX_MIN_M(_K) rows, AMX-INT8 tiles (gguf_blocks_amx.h); on
+ * 256-input blocks; in the amx build, from a few rows (gq_amx_min_rows), AMX-INT8 tiles (gguf_blocks_amx.h); on
  * aarch64 NEON, SDOT where the build targets dotprod (gguf_blocks_neon.h); plain C elsewhere (generic). */
 #include <math.h>
 #include <stdint.h>
@@ -526,22 +526,32 @@ static void gq_dispatch(int type, const uint8_t *w, int64_t row_bytes, int64_t n
 #else
 #define GQ_AMX 0
 #endif
-/* Rows from which the amx build's matmuls run on the AMX tiles: 12 for the 32-input blocks, 8 for the
- * K-quants (bench_results/README.md, "GGUF blocks on AMX": there the tiles are 1.5-2x the AVX-512 kernel at
- * 12 rows for Q8_0 / Q5_0, 1.5-5x at 8 rows for Q4_K / Q6_K; below, even or slower). */
-#ifndef GQ_AMX_MIN_M /* benchmarks/gguf_amx.py builds its own with -D, one threshold for both */
-#define GQ_AMX_MIN_M 12
-#define GQ_AMX_MIN_M_K 8
+/* Rows from which the amx build's matmuls run on the AMX tiles, by type: Q4_K from 3 rows, Q6_K from 4, the
+ * other K-quants from 8, the 32-input blocks from 12 (bench_results/README.md, "GGUF blocks on AMX" and
+ * "AMX from fewer rows": the tiles' time hardly grows with the rows up to 16, while the AVX-512 kernel's
+ * grows with each row; at 1 row it is the faster). A speculative step's k + 1 verification rows of a
+ * Q4_K_M model run on the tiles so. */
+#if GQ_AMX
+static int gq_amx_min_rows(int type, int bs) {
+#ifdef GQ_AMX_MIN_M /* benchmarks/gguf_amx.py builds its own with -D, one threshold for every type */
+    (void)type, (void)bs;
+    return GQ_AMX_MIN_M;
 #else
-#define GQ_AMX_MIN_M_K GQ_AMX_MIN_M
+    switch (type) {
+    case GQ_Q4_K: return 3;
+    case GQ_Q6_K: return 4;
+    default: return bs == 256 ? 8 : 12;
+    }
+#endif
+}
 #endif
 
-/* 1 when a matmul of M rows of a type with `bs`-input blocks runs on the AMX tiles. */
-static int gq_uses_amx(int bs, int64_t M) {
+/* 1 when a matmul of M rows of `type` (with `bs`-input blocks) runs on the AMX tiles. */
+static int gq_uses_amx(int type, int bs, int64_t M) {
 #if GQ_AMX
-    return M >= (bs == 256 ? GQ_AMX_MIN_M_K : GQ_AMX_MIN_M) && gq_amx_usable();
+    return M >= gq_amx_min_rows(type, bs) && gq_amx_usable();
 #else
-    (void)bs, (void)M;
+    (void)type, (void)bs, (void)M;
     return 0;
 #endif
 }
@@ -550,11 +560,11 @@ static int gq_uses_amx(int bs, int64_t M) {
 int izh_gguf_block_size(int type) { return gq_info(type, NULL, NULL); }
 
 /* 1 when a matmul of M rows of `type` (a served one) runs on the AMX tiles in this library (the amx build, on
- * a CPU with AMX-INT8 where Linux allows it, from GQ_AMX_MIN_M or GQ_AMX_MIN_M_K rows), else 0. The result is
+ * a CPU with AMX-INT8 where Linux allows it, from gq_amx_min_rows rows), else 0. The result is
  * the same bits. */
 int izh_gguf_uses_amx(int type, int64_t M) {
     const int bs = gq_info(type, NULL, NULL);
-    return bs && gq_uses_amx(bs, M);
+    return bs && gq_uses_amx(type, bs, M);
 }
 
 /* out [M, N] (row stride os) = x [M, K] (fp32, row stride xs) @ W^T, W = N rows of `type` blocks, row n at
@@ -566,7 +576,7 @@ int izh_gguf_matmul_f32(int type, const float *x, int64_t xs, const uint8_t *w, 
     const int bs = gq_info(type, &bytes, &mk);
     if (bs == 0 || M < 1 || N < 1 || K < bs || K % bs || row_bytes < K / bs * bytes || xs < K || os < N)
         return -1;
-    const int amx = gq_uses_amx(bs, M);
+    const int amx = gq_uses_amx(type, bs, M);
     const size_t groups = (size_t)M * (size_t)(K / bs), xq_bytes = ((size_t)M * (size_t)K + 63) & ~(size_t)63;
     char *buf = (char *)aligned_alloc(64, xq_bytes + ((groups * 8 + (size_t)M * (size_t)(K / 16) * 4 + 63) & ~(size_t)63));
     if (!buf) return -4;
