@@ -36,6 +36,8 @@ LEVELS = [
     ("8 streams", 8, 24, 126, 128),
     ("32 streams", 32, 64, 126, 128),
     ("8 streams, ~1,000-token prompts", 8, 16, 1000, 128),
+    # issue 27's KV cache dtype comparison: one wave of 32 long-context streams
+    ("32 streams, ~1,000-token prompts", 32, 32, 1000, 64),
 ]
 
 
@@ -96,8 +98,13 @@ def main() -> None:
         help="round r sends prompts of seed SEED + r (new prompts every round: "
         "both servers cache prefixes), the servers' order reversed when that is odd",
     )
-    parser.add_argument("--levels", default="all", help="comma list of level indexes (0-3) or all")
+    parser.add_argument(
+        "--levels", default="0,1,2,3", help="comma list of level indexes (0-4; 4: 32 long streams) or all"
+    )
     parser.add_argument("--izh-arg", action="append", default=[], help="extra `izh serve` argument")
+    parser.add_argument(
+        "--llama-arg", action="append", default=[], help="extra llama-server argument (e.g. -ctk q8_0)"
+    )
     parser.add_argument("--izh-only", action="store_true", help="skip llama-server (tuning izh alone)")
     parser.add_argument(
         "--baseline",
@@ -115,7 +122,7 @@ def main() -> None:
     izh_cmd = [izh, "serve", args.gguf, "--served-model-name", args.alias, "--port", str(izh_port), "--log-level", "warning", *args.izh_arg]  # fmt: skip
     llama_cmd = [
         args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(llama_port), "-a", args.alias,
-        "-c", "65536", "-np", "32", "-kvu", "-cb", "-t", threads, "-tb", threads, "--no-webui",
+        "-c", "65536", "-np", "32", "-kvu", "-cb", "-t", threads, "-tb", threads, "--no-webui", *args.llama_arg,
     ]  # fmt: skip
     base_port = free_port()
     base_cmd = [sys.executable, "-m", "izh_cli.main", *izh_cmd[1:]]

@@ -49,6 +49,9 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     """KV cache size in bytes; None derives it from kv_cache_memory_fraction."""
+    kv_cache_dtype: str = "auto"
+    """auto | float32 | bfloat16 | float16 | fp8 | fp8_e4m3 | fp8_e5m2 | q8_0: the KV cache's element format
+    (izh.kernels.kv_cache_dtype); auto is the model's dtype."""
     kv_cache_memory_fraction: float = 0.25
     """Fraction of free memory (device memory on GPU) given to the KV cache when no byte size is set
     (on CPU at most 4 GiB)."""

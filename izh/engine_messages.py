@@ -174,6 +174,12 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
     eos_token_ids: list[int]
     device: str
     dtype: str
+    kv_cache_dtype: str = ""
+    """The KV cache's element format in force (izh.kernels.kv_cache_dtype; `auto` resolved)."""
+    kv_bytes_per_token: int = 0
+    """Bytes one token takes in the KV cache (every layer's K and V); 0 for an encoder."""
+    kv_tokens_per_gib: int = 0
+    """Tokens a GiB of KV cache holds (1 GiB // kv_bytes_per_token); 0 for an encoder."""
     can_generate: bool = True
     """False for an encoder (BERT): it only pools; generation requests are refused with a 400."""
     pooling_task: str = "embed"

@@ -253,6 +253,16 @@ class EngineSettings(_Section):
         description="KV cache size, in bytes or with a unit (2GiB, 512MB); unset = derive it from "
         "kv_cache_memory_fraction.",
     )
+    kv_cache_dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "q8_0"],
+        CaseInsensitive,
+    ] = Field(
+        default="auto",
+        description="Element format of the KV cache: auto (the model's dtype), float32, bfloat16, float16, "
+        "fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2 (unscaled, clamped), or q8_0 (llama.cpp's: int8 per 32 values "
+        "with a float16 scale, 34 bytes per 32). Smaller formats hold more tokens per GiB; attention reads "
+        "them directly.",
+    )
     kv_cache_memory_fraction: float = Field(
         default=0.25,
         gt=0,
@@ -850,6 +860,7 @@ class IzhSettings(BaseSettings):
             block_size=engine.block_size,
             kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
             kv_cache_memory_fraction=engine.kv_cache_memory_fraction,
+            kv_cache_dtype=engine.kv_cache_dtype,
             max_num_batched_tokens=engine.max_num_batched_tokens,
             max_num_seqs=engine.max_num_seqs,
             enable_prefix_caching=engine.enable_prefix_caching,

@@ -86,7 +86,8 @@ def show(
 
 def resolved_here(settings: IzhSettings) -> dict[str, str]:
     """What the engine would put in force on this machine for `settings`, without loading anything:
-    the C kernel variant (and why) and the dtype `model.dtype` resolves to."""
+    the C kernel variant (and why), the dtype `model.dtype` resolves to and the KV cache format (with
+    tokens per GiB for a model already on this machine)."""
     import shutil
 
     from izh.engine.model_runner import resolve_device, resolve_dtype
@@ -110,4 +111,29 @@ def resolved_here(settings: IzhSettings) -> dict[str, str]:
         return {"cpu_kernels": kernels, "dtype": f"error: {exc}"}
     dense = resolve_dtype(settings.model.dtype, device)
     dtype = f"{settings.model.dtype} -> {str(dense).removeprefix('torch.')} on {device.type}"
-    return {"cpu_kernels": kernels, "dtype": dtype}
+    return {"cpu_kernels": kernels, "dtype": dtype, "kv_cache_dtype": kv_cache_here(settings, dense)}
+
+
+def kv_cache_here(settings: IzhSettings, model_dtype: Any) -> str:
+    """The KV cache format `engine.kv_cache_dtype` resolves to, and, for a model already on this machine,
+    its bytes per token (2 x layers x KV heads x head_dim x bytes per element) and tokens per GiB."""
+    from izh.errors import IzhError
+    from izh.hub import resolve_model
+    from izh.kernels.kv_cache_dtype import kv_cache_format
+    from izh.model.loader import load_model_config
+
+    requested = settings.engine.kv_cache_dtype
+    fmt = kv_cache_format(requested, model_dtype)
+    text = f"{requested} -> {fmt.name}"
+    if not settings.model.name:
+        return text
+    try:
+        path = resolve_model(settings.model.name, settings.model.cache_dir.expanduser(), download=False)
+        mc = load_model_config(str(path))
+    except (IzhError, OSError, ValueError) as exc:
+        return f"{text} (tokens per GiB: the model is not readable here: {exc})"
+    problem = fmt.check_head_dim(mc.head_dim)
+    if problem is not None:
+        return f"{text}: error: {problem}"
+    per_token = fmt.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
+    return f"{text}: {per_token} bytes per token, {(1 << 30) // per_token} tokens per GiB"

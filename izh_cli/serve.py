@@ -82,7 +82,8 @@ async def _serve(settings: IzhSettings, engine_config: EngineConfig) -> int:
             f"[bold green]izh[/] serving [bold]{llm.model_name}[/] on "
             f"http://{server_settings.host}:{server_settings.port}/v1 "
             f"({ready.device}, {ready.dtype}, max_model_len {ready.max_model_len}, "
-            f"{ready.num_blocks} KV blocks of {ready.block_size})",
+            f"{ready.num_blocks} KV blocks of {ready.block_size}, KV cache {ready.kv_cache_dtype}: "
+            f"{ready.kv_tokens_per_gib} tokens per GiB)",
             highlight=False,
         )
         await server.serve()

@@ -63,6 +63,7 @@ class EngineCore:
         self.vocab_size = self.runner.vocab_size
         self.device = str(self.runner.device)
         self.dtype = str(self.runner.dtype).removeprefix("torch.")
+        self.kv_cache_dtype = self.runner.kv_format.name
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self._grammar: GrammarManager | None = None
@@ -460,6 +461,17 @@ class EngineCore:
                 "LoRA is off in this server: start it with --lora-modules or --enable-lora", param="model"
             )
         return lora
+
+    def kv_cache_info(self) -> dict[str, Any]:
+        """Ready's KV cache fields: the format in force, bytes per token and tokens per GiB."""
+        runner = self.runner
+        if runner.is_encoder:
+            return {"kv_cache_dtype": self.kv_cache_dtype}
+        return {
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "kv_bytes_per_token": runner.kv_bytes_per_token(),
+            "kv_tokens_per_gib": runner.kv_tokens_per_gib(),
+        }
 
     def lora_info(self) -> dict[str, Any]:
         """Ready's LoRA fields: the adapters loaded at start and the slot limits (max_loras 0: off)."""

@@ -92,6 +92,7 @@ class EngineCoreLike(Protocol):
     def kv_block_states(self) -> list[int]: ...
     def embedding_info(self) -> dict[str, Any]: ...
     def lora_info(self) -> dict[str, Any]: ...
+    def kv_cache_info(self) -> dict[str, Any]: ...
     def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]: ...
     def unload_lora_adapter(self, name: str) -> dict[str, Any]: ...
     def shutdown(self) -> None: ...
@@ -185,15 +186,19 @@ def _build_core(
         dtype=core.dtype,
         **core.embedding_info(),
         **core.lora_info(),
+        **core.kv_cache_info(),
     )
     send(ready)
     logger.info(
-        "EngineCore ready: max_model_len=%d num_blocks=%d block_size=%d device=%s dtype=%s",
+        "EngineCore ready: max_model_len=%d num_blocks=%d block_size=%d device=%s dtype=%s "
+        "kv_cache_dtype=%s (%d tokens per GiB)",
         core.max_model_len,
         core.num_blocks,
         core.block_size,
         core.device,
         core.dtype,
+        ready.kv_cache_dtype,
+        ready.kv_tokens_per_gib,
     )
     return core
 

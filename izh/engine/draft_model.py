@@ -48,6 +48,7 @@ from izh.engine.request import Request
 from izh.engine.sampler import SamplingMetadata, SamplingRow, to_device
 from izh.engine.spec_decode import sample_draft
 from izh.errors import IzhError, ModelLoadError
+from izh.kernels.kv_cache_dtype import kv_cache_format
 from izh.model.attention import AttentionMetadata
 from izh.model.loader import load_model_config
 from izh.tokenizer import Tokenizer, load_tokenizer
@@ -87,13 +88,18 @@ class DraftRequest:
 
 
 def draft_kv_bytes_per_block(config: EngineConfig, draft_path: str) -> int:
-    """The draft model's KV bytes per block of `config.block_size` tokens (the target's dtype)."""
+    """The draft model's KV bytes per block of `config.block_size` tokens (the target's dtype and KV cache
+    format)."""
     from izh.engine.model_runner import resolve_device, resolve_dtype
 
     mc = load_model_config(draft_path)
     dtype = resolve_dtype(config.dtype, resolve_device(config.device))
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * mc.num_hidden_layers * config.block_size * mc.num_key_value_heads * mc.head_dim * elem
+    try:
+        fmt = kv_cache_format(config.kv_cache_dtype, dtype)
+    except ValueError as exc:
+        raise ModelLoadError(f"engine.kv_cache_dtype: {exc}") from None
+    per_token = fmt.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
+    return config.block_size * per_token
 
 
 def resolve_draft_path(config: EngineConfig) -> str:

@@ -31,6 +31,7 @@ from izh.engine.spec_decode import verify_greedy, verify_random
 from izh.engine_messages import ImageInput, TokenLogprobs
 from izh.errors import ModelLoadError
 from izh.kernels import cpu as cpu_ops
+from izh.kernels.kv_cache_dtype import KVCacheFormat, kv_cache_format
 from izh.model.attention import AttentionMetadata, get_attention_backend
 from izh.model.bert import BertModel
 from izh.model.config import ModelConfig
@@ -220,7 +221,20 @@ class ModelRunner:
         self.kv_layout = self._resolve_kv_layout()
         """The KV cache groups (izh.model.sliding_window): sliding-window layers in their own groups,
         whose blocks the KV cache manager frees once the window has passed them."""
+        self.attention_backend = self._resolve_attention_backend(config.attention_backend)
+        self.kv_format = self._resolve_kv_format(config.kv_cache_dtype)
+        """The KV cache's element format (`engine.kv_cache_dtype`; auto: the model's dtype)."""
         self.num_blocks = self._resolve_num_blocks()
+        if not self.is_encoder:
+            logger.info(
+                "KV cache: %s (%s), %d bytes per token, %d tokens per GiB, %d blocks of %d tokens",
+                self.kv_format.name,
+                f"engine.kv_cache_dtype = {config.kv_cache_dtype}",
+                self.kv_bytes_per_token(),
+                self.kv_tokens_per_gib(),
+                self.num_blocks,
+                self.block_size,
+            )
         if self.kv_layout.windows != (None,):
             windows = self.kv_layout.windows
             logger.info(
@@ -243,7 +257,6 @@ class ModelRunner:
             ]
             self.tp_runtime.agree(shape, "the model (layers, hidden size, vocabulary, heads) or block size")
             self.num_blocks = self.tp_runtime.minimum(self.num_blocks)  # every rank holds as many blocks
-        self.attention_backend = self._resolve_attention_backend(config.attention_backend)
         if self.is_encoder:
             # The scheduler's block accounting still runs (one budget for every request), over blocks
             # that hold no tensors: an encoder attends within its step and keeps nothing.
@@ -328,7 +341,7 @@ class ModelRunner:
             self.model.compute_logits(hidden[-1:], out=logits)
         index = torch.tensor(blocks, dtype=torch.long, device=dev)
         for cache in {id(cache): cache for cache in self.kv_caches}.values():  # a shared one once
-            cache.index_fill_(1, index, 0.0)
+            cache.view(torch.uint8).index_fill_(1, index, 0)  # zero bits are 0.0 in every format
 
     @staticmethod
     def _cpu_threads(config: EngineConfig) -> int:
@@ -428,12 +441,43 @@ class ModelRunner:
         """Per KV cache group, its sliding window (None: full attention), for the KV cache manager."""
         return self.kv_layout.windows
 
+    def _resolve_kv_format(self, name: str) -> KVCacheFormat:
+        """`engine.kv_cache_dtype` as a format this device and model run; ModelLoadError names the choices."""
+        try:
+            fmt = kv_cache_format(name, self.dtype)
+        except ValueError as exc:
+            raise ModelLoadError(f"engine.kv_cache_dtype: {exc}") from None
+        problem = None if self.is_encoder else fmt.check_head_dim(self.model_config.head_dim)
+        if problem is not None:
+            raise ModelLoadError(f"engine.kv_cache_dtype = {name}: {problem}; choose another format")
+        if (
+            self.device.type == "cuda"
+            and self.attention_backend == "triton_paged"
+            and fmt.storage != self.dtype
+        ):
+            raise ModelLoadError(
+                f"engine.kv_cache_dtype = {name}: izh's Triton attention on CUDA reads the model's dtype only; "
+                "use --kv-cache-dtype auto (or --attention-backend torch_paged, which converts in torch)"
+            )
+        return fmt
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token of context takes in this rank's KV cache when every layer keeps it: 2 (K, V) x
+        layers x KV heads x a row's bytes (head_dim x the format's bytes per element; q8_0: 34 per 32)."""
+        mc = self.model_config
+        return self.kv_format.bytes_per_token(mc.num_hidden_layers, self.num_local_kv_heads, mc.head_dim)
+
+    def kv_tokens_per_gib(self) -> int:
+        """Tokens of context a GiB of KV cache holds (`kv_bytes_per_token`; a sliding-window layer keeps
+        fewer)."""
+        return (1 << 30) // self.kv_bytes_per_token()
+
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block: block_size tokens of K and V in each of the layout's cache tensors."""
-        mc = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        tensors = self.kv_layout.num_tensors
-        return 2 * tensors * self.block_size * self.num_local_kv_heads * mc.head_dim * elem
+        per_token = self.kv_format.bytes_per_token(
+            self.kv_layout.num_tensors, self.num_local_kv_heads, self.model_config.head_dim
+        )
+        return self.block_size * per_token
 
     def _resolve_num_blocks(self) -> int:
         if self._forced_num_blocks is not None:
@@ -467,11 +511,12 @@ class ModelRunner:
         """One cache per layer: the layout's tensors, each shared by the layers at that index of every
         group (a block belongs to one group at a time)."""
         mc = self.model_config
-        shape = (2, self.num_blocks, self.block_size, self.num_local_kv_heads, mc.head_dim)
+        row = self.kv_format.row_size(mc.head_dim)
+        shape = (2, self.num_blocks, self.block_size, self.num_local_kv_heads, row)
         # Zeroed, not empty: masked-out slots still flow through the attention matmul, and garbage
         # (NaN) there would poison the result even with a zero weight.
         tensors = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            torch.zeros(shape, dtype=self.kv_format.storage, device=self.device)
             for _ in range(self.kv_layout.num_tensors)
         ]
         return [tensors[index] for index in self.kv_layout.layer_tensors]

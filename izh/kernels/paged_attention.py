@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from izh.kernels.kv_cache_dtype import dequantize_kv, quantize_kv
+
 # Decode blocks: a query row per head of the KV group, so BLOCK_M only needs to cover the group; the tile
 # is short because a single query row gets little reuse out of a long one.
 _DECODE_BLOCK_M = 16
@@ -84,8 +86,9 @@ def paged_attention_reference(
             continue
         positions = torch.arange(seq_len, device=q.device)
         blocks = block_tables[i, positions // block_size].long()
-        k = kv_cache[0, blocks, positions % block_size].float()  # [seq_len, kv_heads, d]
-        v = kv_cache[1, blocks, positions % block_size].float()
+        head_dim = q.shape[2]
+        k = dequantize_kv(kv_cache[0, blocks, positions % block_size], head_dim)  # [seq_len, kv_heads, d]
+        v = dequantize_kv(kv_cache[1, blocks, positions % block_size], head_dim)
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, seq_len, d]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         query = q[start:end].float().transpose(0, 1)  # [heads, query_len, d]
@@ -98,12 +101,13 @@ def paged_attention_reference(
 
 
 def write_kv_cache_reference(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
-    """The semantics of `write_kv_cache`: token t's K/V go to slot `slot_mapping[t]`; slots < 0 are skipped."""
+    """The semantics of `write_kv_cache`: token t's K/V go to slot `slot_mapping[t]`; slots < 0 are skipped.
+    A cache in another format than key's (izh.kernels.kv_cache_dtype) gets them converted (`quantize_kv`)."""
     block_size = kv_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    kv_cache[0, slots // block_size, slots % block_size] = key[keep].to(kv_cache.dtype)
-    kv_cache[1, slots // block_size, slots % block_size] = value[keep].to(kv_cache.dtype)
+    kv_cache[0, slots // block_size, slots % block_size] = quantize_kv(key[keep], kv_cache.dtype)
+    kv_cache[1, slots // block_size, slots % block_size] = quantize_kv(value[keep], kv_cache.dtype)
 
 
 # --- Triton entry points ----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from izh.errors import ModelLoadError
 from izh.kernels import cpu as cpu_ops
+from izh.kernels.kv_cache_dtype import dequantize_kv, quantize_kv, raw_rows
 
 
 @dataclass(slots=True)
@@ -205,6 +206,7 @@ def _pad_index(query_lens: list[int], max_query_len: int, device: torch.device) 
 
 
 _FUSED_CPU_DTYPES = (torch.float32, torch.bfloat16)
+"""The activation dtypes izh's C attention kernels take (the cache may hold any KV cache format)."""
 
 
 @dataclass(slots=True)
@@ -230,10 +232,11 @@ class _SeqGroup:
 
 
 class PagedTorchAttentionBackend(AttentionBackend):
-    """Paged KV cache on the CPU: with izh's C kernels (float32 or bfloat16), one call writes this step's
-    K/V and attends each token from the blocks, a prefill token exactly as a decode at its position
-    (`cpu_ops.paged_attention`: batch- and chunking-invariant). Otherwise plain torch: gather each
-    sequence's context through its block table into a padded batch, one masked SDPA per group of sequences.
+    """Paged KV cache on the CPU: with izh's C kernels (float32 or bfloat16 activations, a cache in any
+    KV cache format), one call writes this step's K/V and attends each token from the blocks, a prefill
+    token exactly as a decode at its position (`cpu_ops.paged_attention`: batch- and chunking-invariant).
+    Otherwise plain torch: gather each sequence's context through its block table into a padded batch
+    (dequantized there when the cache holds another format), one masked SDPA per group of sequences.
 
     Query heads sharing a KV head are folded into the query-length axis ([S, kv_heads, group*Lq, d]), so
     GQA needs no repeated K/V. Mixed batches (prefill chunks over cached context plus decodes) work.
@@ -244,9 +247,16 @@ class PagedTorchAttentionBackend(AttentionBackend):
     name = "torch_paged"
 
     @staticmethod
-    def runs_c_kernels(kv_cache: Tensor) -> bool:
-        """Whether attention over this cache runs izh's C kernels (which also take a sliding window)."""
-        return kv_cache.is_cpu and cpu_ops.available() and kv_cache.dtype in _FUSED_CPU_DTYPES
+    def runs_c_kernels(kv_cache: Tensor, dtype: torch.dtype | None = None) -> bool:
+        """Whether attention of `dtype` activations (None: the cache's dtype) over this cache runs izh's C
+        kernels (which also take a sliding window, and every KV cache format)."""
+        dtype = kv_cache.dtype if dtype is None else dtype
+        return (
+            kv_cache.is_cpu
+            and cpu_ops.available()
+            and dtype in _FUSED_CPU_DTYPES
+            and kv_cache.dtype in cpu_ops.KV_TYPES
+        )
 
     def windowed(
         self,
@@ -302,7 +312,7 @@ class PagedTorchAttentionBackend(AttentionBackend):
     ) -> Tensor:
         if kv_cache is None:
             raise ValueError("the paged backend needs a bound KV cache")
-        if self.runs_c_kernels(kv_cache):
+        if self.runs_c_kernels(kv_cache, query.dtype):
             # Decodes only: one C kernel writes the new K/V and attends straight from the blocks. Prefill
             # chunks (with any decodes): every token attends as a decode at its position would, in one C
             # call, so its result depends on neither the batch nor the chunking.
@@ -311,20 +321,26 @@ class PagedTorchAttentionBackend(AttentionBackend):
         num_kv_heads = key.shape[1]
         group = num_heads // num_kv_heads
         block_size = kv_cache.shape[2]
-        key_cache = kv_cache[0].view(-1, num_kv_heads * head_dim)  # [num_slots, kv_heads * d]
-        value_cache = kv_cache[1].view(-1, num_kv_heads * head_dim)
-        key_cache.index_copy_(0, attn_metadata.slot_mapping, key.reshape(num_tokens, -1))
-        value_cache.index_copy_(0, attn_metadata.slot_mapping, value.reshape(num_tokens, -1))
-        key_blocks = kv_cache[0].view(kv_cache.shape[1], -1)  # [num_blocks, block_size * kv_heads * d]
-        value_blocks = kv_cache[1].view(kv_cache.shape[1], -1)
+        row = kv_cache.shape[4]  # head_dim, or a q8_0 row's bytes
+        raw = raw_rows(kv_cache)  # float8 as bytes: torch's index ops take those
+        key_cache = raw[0].view(-1, num_kv_heads * row)  # [num_slots, kv_heads * row]
+        value_cache = raw[1].view(-1, num_kv_heads * row)
+        # Written in the cache's format (izh.kernels.kv_cache_dtype), read back through dequantize_kv.
+        key_rows = raw_rows(quantize_kv(key, kv_cache.dtype)).reshape(num_tokens, -1)
+        value_rows = raw_rows(quantize_kv(value, kv_cache.dtype)).reshape(num_tokens, -1)
+        key_cache.index_copy_(0, attn_metadata.slot_mapping, key_rows)
+        value_cache.index_copy_(0, attn_metadata.slot_mapping, value_rows)
+        key_blocks = raw[0].view(kv_cache.shape[1], -1)  # [num_blocks, block_size * kv_heads * row]
+        value_blocks = raw[1].view(kv_cache.shape[1], -1)
 
         groups = self._groups(attn_metadata, block_size, group, query.device)
+        storage = kv_cache.dtype
         if len(groups) == 1:
-            return self._attend(query, key_blocks, value_blocks, groups[0], block_size, group, scale)
+            return self._attend(query, key_blocks, value_blocks, groups[0], block_size, group, scale, storage)
         out = query.new_empty(num_tokens, num_heads, head_dim)
         for g in groups:
             q = query[g.tokens] if isinstance(g.tokens, slice) else query.index_select(0, g.tokens)
-            o = self._attend(q, key_blocks, value_blocks, g, block_size, group, scale)
+            o = self._attend(q, key_blocks, value_blocks, g, block_size, group, scale, storage)
             if isinstance(g.tokens, slice):
                 out[g.tokens] = o
             else:
@@ -340,8 +356,10 @@ class PagedTorchAttentionBackend(AttentionBackend):
         block_size: int,
         group: int,
         scale: float,
+        storage: torch.dtype,
     ) -> Tensor:
-        """Attention for one group: query [n, heads, d] -> [n, heads, d]."""
+        """Attention for one group: query [n, heads, d] -> [n, heads, d]; the blocks hold the cache's
+        format (`storage`, float8 viewed as bytes)."""
         _, num_heads, head_dim = query.shape
         num_kv_heads = num_heads // group
         num_seqs, max_q = g.num_seqs, g.max_query_len
@@ -355,9 +373,9 @@ class PagedTorchAttentionBackend(AttentionBackend):
             g.workspace = key_blocks.new_empty(2, g.block_ids.shape[0], key_blocks.shape[1])
 
         def gather(blocks: Tensor, out: Tensor) -> Tensor:  # -> [S, kv_heads, max_seq_len, d]
-            x = torch.index_select(blocks, 0, g.block_ids, out=out).view(
-                num_seqs, ctx, num_kv_heads, head_dim
-            )
+            x = torch.index_select(blocks, 0, g.block_ids, out=out).view(num_seqs, ctx, num_kv_heads, -1)
+            if storage != query.dtype:  # a cache of another format: the gathered rows as query's dtype
+                x = dequantize_kv(x[:, : g.max_seq_len].view(storage), head_dim, query.dtype)
             return x[:, : g.max_seq_len].transpose(1, 2)
 
         key = gather(key_blocks, g.workspace[0])

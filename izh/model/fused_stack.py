@@ -69,7 +69,7 @@ class FusedDecodeStack:
         self.eps = config.rms_norm_eps
         self.scale = config.head_dim**-0.5
         self.final_norm = final_norm
-        self.kv_geometry = (int(kv_cache.shape[1]), int(kv_cache.shape[2]))
+        self.kv_geometry = (int(kv_cache.shape[1]), int(kv_cache.shape[2]), cpu_ops.KV_TYPES[kv_cache.dtype])
         self._parts: list[Tensor] = []
         """The GGUF linears' part tables the table points at (kept alive with it)."""
         self._lora: tuple[LoraModel, Tensor | None] | None = None
@@ -82,7 +82,8 @@ class FusedDecodeStack:
         """The stack for a model's `layers` (in order) and final norm weight, or None when it cannot run
         fused: not a float32 or bfloat16 CPU model, no C kernels for its dtype here, per-head q/k norms, a
         linear without izh's records (or, in float32, GGUF blocks), no bound KV cache, or a partial rotary
-        (its RoPE rotates whole heads)."""
+        (its RoPE rotates whole heads). The KV caches may hold any format of `engine.kv_cache_dtype`: the
+        stack's attention converts as it writes and reads, as the module path's does."""
         if config.rope_dim != config.head_dim:
             return None
         if dtype == torch.float32:
@@ -93,9 +94,12 @@ class FusedDecodeStack:
             return None
         rows: list[list[int]] = []
         keep: list[Tensor] = []
+        storage = layers[0].kv_cache.dtype if layers and layers[0].kv_cache is not None else None
         for layer in layers:
             kv_cache = layer.kv_cache
             if kv_cache is None or not kv_cache.is_cpu or not kv_cache.is_contiguous():
+                return None
+            if kv_cache.dtype not in cpu_ops.KV_TYPES or kv_cache.dtype != storage:
                 return None
             row = [
                 layer.input_norm.data_ptr(),

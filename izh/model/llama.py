@@ -11,6 +11,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
+from izh.kernels.kv_cache_dtype import format_of_cache
 from izh.model.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -263,7 +264,9 @@ class LlamaForCausalLM(nn.Module):
         return KVCacheLayout.single(len(self.model.layers))
 
     def bind_kv_caches(self, kv_caches: list[Tensor] | None) -> None:
-        """Give each layer its cache [2, num_blocks, block_size, num_kv_heads, head_dim] (None unbinds).
+        """Give each layer its cache [2, num_blocks, block_size, num_kv_heads, row] (None unbinds): the
+        model's dtype with row = head_dim, or another KV cache format (izh.kernels.kv_cache_dtype: row =
+        its `row_size(head_dim)`), one format for every layer.
 
         The caches are used in place and must hold finite values (allocate with torch.zeros).
         """
@@ -276,18 +279,20 @@ class LlamaForCausalLM(nn.Module):
             return
         if len(kv_caches) != len(layers):
             raise ValueError(f"expected {len(layers)} KV caches (one per layer), got {len(kv_caches)}")
+        storage = kv_caches[0].dtype if kv_caches else self.dtype
+        try:
+            fmt = format_of_cache(storage)
+        except ValueError as exc:
+            raise ValueError(f"KV cache 0: {exc}") from None
         for i, (attn, cache) in enumerate(zip(layers, kv_caches, strict=True)):
-            if (
-                cache.dim() != 5
-                or cache.shape[0] != 2
-                or cache.shape[3:] != (attn.num_kv_heads, attn.head_dim)
-            ):
+            row = fmt.row_size(attn.head_dim)
+            if cache.dim() != 5 or cache.shape[0] != 2 or cache.shape[3:] != (attn.num_kv_heads, row):
                 raise ValueError(
                     f"KV cache {i} has shape {tuple(cache.shape)}, expected "
-                    f"[2, num_blocks, block_size, {attn.num_kv_heads}, {attn.head_dim}]"
+                    f"[2, num_blocks, block_size, {attn.num_kv_heads}, {row}]"
                 )
-            if cache.dtype != self.dtype or not cache.is_contiguous():
-                raise ValueError(f"KV cache {i} must be a contiguous {self.dtype} tensor, got {cache.dtype}")
+            if cache.dtype != storage or not cache.is_contiguous():
+                raise ValueError(f"KV cache {i} must be a contiguous {storage} tensor, got {cache.dtype}")
         for attn, cache in zip(layers, kv_caches, strict=True):
             attn.kv_cache = cache
         self._kv_caches_bound = True

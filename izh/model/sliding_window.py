@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from izh.kernels.kv_cache_dtype import dequantize_kv, quantize_kv, raw_rows
 from izh.model.attention import AttentionBackend, AttentionMetadata, PagedTorchAttentionBackend
 
 
@@ -99,7 +100,7 @@ class WindowedBackend(AttentionBackend):
             (self.softcap or self.window is not None)
             and kv_cache is not None
             and isinstance(inner, PagedTorchAttentionBackend)
-            and inner.runs_c_kernels(kv_cache)
+            and inner.runs_c_kernels(kv_cache, query.dtype)
         ):
             return inner.windowed(query, key, value, kv_cache, meta, scale, self.window or 0, self.softcap)
         if not self.softcap and (self.window is None or meta.max_seq_len <= self.window):
@@ -128,10 +129,11 @@ def windowed_attention(
     group = num_heads // num_kv_heads
     if kv_cache is not None:
         rows = kv_cache.shape[1] * kv_cache.shape[2]
-        key_slots = kv_cache[0].view(rows, num_kv_heads, head_dim)
-        value_slots = kv_cache[1].view(rows, num_kv_heads, head_dim)
-        key_slots.index_copy_(0, meta.slot_mapping, key)
-        value_slots.index_copy_(0, meta.slot_mapping, value)
+        raw = raw_rows(kv_cache)  # float8 as bytes: torch's index ops take those
+        key_slots = raw[0].view(rows, num_kv_heads, kv_cache.shape[4])
+        value_slots = raw[1].view(rows, num_kv_heads, kv_cache.shape[4])
+        key_slots.index_copy_(0, meta.slot_mapping, raw_rows(quantize_kv(key, kv_cache.dtype)))
+        value_slots.index_copy_(0, meta.slot_mapping, raw_rows(quantize_kv(value, kv_cache.dtype)))
         block_size = kv_cache.shape[2]
     out = query.new_empty(num_tokens, num_heads, head_dim)
     start = 0
@@ -146,7 +148,8 @@ def windowed_attention(
             positions = torch.arange(lo, seq_len, device=query.device)
             blocks = meta.block_tables[i].to(torch.int64).index_select(0, positions // block_size)
             slots = blocks * block_size + positions % block_size
-            k, v = key_slots.index_select(0, slots), value_slots.index_select(0, slots)
+            k = dequantize_kv(key_slots.index_select(0, slots).view(kv_cache.dtype), head_dim, query.dtype)
+            v = dequantize_kv(value_slots.index_select(0, slots).view(kv_cache.dtype), head_dim, query.dtype)
         q = query[start : start + query_len].transpose(0, 1)  # [heads, q, d]
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, d]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)

@@ -213,6 +213,9 @@ class FakeEngineCore:
     def lora_info(self) -> dict[str, Any]:
         return {}  # Ready's defaults: LoRA off
 
+    def kv_cache_info(self) -> dict[str, Any]:
+        return {}  # Ready's defaults: no KV cache tensors
+
     def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
         return {"error": "LoRA is off in this server", "status": 400, "code": "invalid_lora_adapter"}
 

@@ -245,5 +245,8 @@ def test_bind_kv_caches_validates(tiny_llama_dir: str) -> None:
         model.bind_kv_caches(good[:1])
     with pytest.raises(ValueError, match="shape"):
         model.bind_kv_caches([torch.zeros(2, 4, 16, config.num_key_value_heads + 1, config.head_dim)] * 2)
-    with pytest.raises(ValueError, match="float32"):
-        model.bind_kv_caches([g.to(torch.bfloat16) for g in good])
+    with pytest.raises(ValueError, match="float32"):  # one KV cache format for every layer
+        model.bind_kv_caches([good[0], good[1].to(torch.bfloat16)])
+    with pytest.raises(ValueError, match="no KV cache format"):
+        model.bind_kv_caches([g.to(torch.int32) for g in good])
+    model.bind_kv_caches([g.to(torch.bfloat16) for g in good])  # engine.kv_cache_dtype = bfloat16

@@ -349,6 +349,7 @@ def test_to_engine_config_maps_every_field() -> None:
         "engine.block_size": 32,
         "engine.kv_cache_memory_bytes": "1MiB",
         "engine.kv_cache_memory_fraction": 0.5,
+        "engine.kv_cache_dtype": "q8_0",
         "engine.max_num_batched_tokens": 256,
         "engine.max_num_seqs": 8,
         "engine.enable_prefix_caching": False,
@@ -386,6 +387,7 @@ def test_to_engine_config_maps_every_field() -> None:
         block_size=32,
         kv_cache_memory_bytes=2**20,
         kv_cache_memory_fraction=0.5,
+        kv_cache_dtype="q8_0",
         max_num_batched_tokens=256,
         max_num_seqs=8,
         enable_prefix_caching=False,
@@ -618,3 +620,17 @@ def test_override_generation_config_is_a_checked_json_object() -> None:
     ):
         with pytest.raises(SettingsError, match=r"server\.override_generation_config: .*" + re.escape(words)):
             load_settings(overrides={"server.override_generation_config": bad}, env={})
+
+
+def test_kv_cache_dtype_flag_takes_the_formats_and_names_them_when_wrong() -> None:
+    from izh.kernels.kv_cache_dtype import KV_CACHE_DTYPES
+
+    spec = {s.dotted: s for s in settings_flag_specs()}["engine.kv_cache_dtype"]
+    assert spec.flag == "--kv-cache-dtype" and spec.choices == KV_CACHE_DTYPES
+    settings = load_settings(overrides={"engine.kv_cache_dtype": "Q8_0"}, env={})
+    assert settings.to_engine_config("model.gguf").kv_cache_dtype == "q8_0"
+    with pytest.raises(SettingsError) as info:
+        load_settings(overrides={"engine.kv_cache_dtype": "int4"}, env={})
+    message = str(info.value)
+    assert message.startswith("engine.kv_cache_dtype: ") and message.endswith("from flag --kv-cache-dtype)")
+    assert all(f"'{name}'" in message for name in KV_CACHE_DTYPES)

@@ -90,6 +90,7 @@ async def izh_stats(request: Request) -> Response:
         {
             "model": state.model_name,
             "max_model_len": state.max_model_len,
+            "kv_cache": _kv_cache_summary(llm.ready),
             "num_requests_in_flight": llm.num_in_flight,
             "draining": bool(getattr(request.app.state, "draining", False)),
             "num_core_restarts": llm.num_core_restarts,
@@ -100,6 +101,17 @@ async def izh_stats(request: Request) -> Response:
             "engines": llm.client.engine_states(),
         }
     )
+
+
+def _kv_cache_summary(ready: Any) -> dict[str, Any]:
+    """The KV cache's format and size as the core announced it (Ready)."""
+    return {
+        "dtype": ready.kv_cache_dtype,
+        "bytes_per_token": ready.kv_bytes_per_token,
+        "tokens_per_gib": ready.kv_tokens_per_gib,
+        "num_blocks": ready.num_blocks,
+        "block_size": ready.block_size,
+    }
 
 
 def openapi_schema(app: FastAPI) -> dict[str, Any]:

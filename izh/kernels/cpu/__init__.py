@@ -43,6 +43,7 @@ from izh.kernels.cpu.library import (
     variant,
 )
 from izh.kernels.cpu.ops import (
+    KV_TYPES,
     STACK_FIELDS,
     STACK_GGUF,
     STACK_LORA_FIELDS,
@@ -88,6 +89,7 @@ from izh.kernels.cpu.reference import (
 from izh.kernels.cpu.variants import VARIANT_NAMES, runnable_variants, select_variant
 
 __all__ = [
+    "KV_TYPES",
     "Q4_RECORD_BYTES",
     "Q8_RECORD_BYTES",
     "QGEMM_GROUP",

@@ -53,11 +53,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_ABI_VERSION = 8  # izh_cpu_abi_version() in csrc/abi.c
+_ABI_VERSION = 9  # izh_cpu_abi_version() in csrc/abi.c
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-# the paged attention kernels' leading arguments (q .. v with their strides, the cache, num_blocks,
-# block_size, kvh, slot_mapping, block_tables, max_blocks) and trailing ones (out, n, H, d, scale, nt)
-_ATTN_HEAD = [*(_P, _I64, _I64) * 3, _P, _I64, _I64, _I64, _P, _P, _I64]
+# the paged attention kernels' leading arguments (q .. v with their strides, the cache, its kv type,
+# num_blocks, block_size, kvh, slot_mapping, block_tables, max_blocks) and trailing ones (out, n, H, d,
+# scale, nt)
+_ATTN_HEAD = [*(_P, _I64, _I64) * 3, _P, _INT, _I64, _I64, _I64, _P, _P, _I64]
 _ATTN_TAIL = [_P, _I64, _I64, _I64, _F32, _INT]
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # x, x_stride, w, out, n, hidden, eps, nt
@@ -68,7 +69,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "rotary": (None, [_P, _I64, _I64, _P, _I64, _I64, _I64, _INT]),
     # gate_up, row_stride, out, n, intermediate, nt
     "silu_mul": (None, [_P, _I64, _P, _I64, _I64, _INT]),
-    # q, q_ts, q_hs, k, k_ts, k_hs, v, v_ts, v_hs, kv_cache, num_blocks, block_size, kvh,
+    # q, q_ts, q_hs, k, k_ts, k_hs, v, v_ts, v_hs, kv_cache, kv_type, num_blocks, block_size, kvh,
     # slot_mapping, block_tables, max_blocks, seq_lens, window, softcap, out, n, H, d, scale, nt
     "paged_decode_attention": (_INT, [*_ATTN_HEAD, _P, _I64, _F32, *_ATTN_TAIL]),
     # as paged_decode_attention, with row_seq and num_seqs after max_blocks
@@ -149,7 +150,7 @@ def _bind_library(name: str, path: Path) -> CpuLibrary:
             stack = lib.izh_decode_stack_bf16
             stack.restype = _INT
             stack.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _P, _P, _P, _P]
-            stack.argtypes += [_P, _P, _I64, _P, _I64, _I64, _P, _I64, _P, _P, _INT]
+            stack.argtypes += [_P, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]
             lib.izh_qgemm_max_rows.restype = _INT
             lib.izh_qgemm_uses_amx.restype = _INT
             lib.izh_qgemm_uses_amx.argtypes = [_INT, _I64]
@@ -162,7 +163,7 @@ def _bind_library(name: str, path: Path) -> CpuLibrary:
         stack_f32 = lib.izh_decode_stack_f32
         stack_f32.restype = _INT
         stack_f32.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _P, _P, _P, _P]
-        stack_f32.argtypes += [_P, _P, _I64, _P, _I64, _I64, _P, _I64, _P, _P, _INT]
+        stack_f32.argtypes += [_P, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]
         records_f32 = (lib.izh_q4_gemm_f32, lib.izh_q8_gemm_f32, stack_f32)
         lora_f32 = lib.izh_lora_add_f32
         lora_f32.restype = _INT

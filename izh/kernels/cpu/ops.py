@@ -34,8 +34,10 @@ from izh.kernels.cpu.reference import (
     sample_rows_ref,
     silu_mul_ref,
 )
+from izh.kernels.kv_cache_dtype import Q8_0_BLOCK, Q8_0_BLOCK_BYTES
 
 __all__ = [
+    "KV_TYPES",
     "STACK_FIELDS",
     "STACK_GGUF",
     "STACK_LORA_FIELDS",
@@ -169,7 +171,19 @@ _ATTENTION_ERRORS = {
     -3: "a block table entry is outside the cache",
     -4: "out of memory for the attention scratch",
     -5: "a row's sequence index is outside the block table",
+    -6: "the KV cache's format cannot hold this head size",
 }
+
+KV_TYPES: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+    torch.float8_e4m3fn: 3,
+    torch.float8_e5m2: 4,
+    torch.uint8: 5,
+}
+"""The C kernels' kv_type of a KV cache tensor, by its dtype (the KV_* enum in csrc/common.h; uint8:
+q8_0 blocks, izh.kernels.kv_cache_dtype)."""
 
 
 def paged_decode_attention(
@@ -193,6 +207,10 @@ def paged_decode_attention(
     block_tables int32 [n, max_blocks]; seq_lens int32 [n] (other integer dtypes are converted). Returns a
     new contiguous [n, H, d]. Raises IndexError, before writing anything, when an index points outside
     the cache or the block table.
+
+    The cache may hold another format than the activations (`izh.kernels.kv_cache_dtype`: float32,
+    bfloat16, float16, float8 e4m3fn / e5m2, or q8_0 blocks as uint8 [..., d / 32 * 34]): the new K/V are
+    converted as they are written, and the kernel converts each cached row as it reads it.
     """
     return _paged_attention(
         query, key, value, kv_cache, slot_mapping, block_tables, None, seq_lens, scale, window, softcap
@@ -247,11 +265,12 @@ def _paged_attention(
             query, key, value, kv_cache, slot_mapping, tables, seq_lens, scale, window, softcap
         )
 
+    kv_type = KV_TYPES.get(kv_cache.dtype)
     if not (
         k is not None
         and key.dtype == dtype
         and value.dtype == dtype
-        and kv_cache.dtype == dtype
+        and kv_type is not None
         and query.is_cpu
         and key.is_cpu
         and value.is_cpu
@@ -274,8 +293,11 @@ def _paged_attention(
     if q_stride[2] != 1 or k_stride[2] != 1 or v_stride[2] != 1 or head_dim > _MAX_HEAD_DIM:
         return reference()
     kv_shape = (n, num_kv_heads, head_dim)
+    if kv_type == KV_TYPES[torch.uint8] and head_dim % Q8_0_BLOCK:
+        return reference()
+    row_size = head_dim // Q8_0_BLOCK * Q8_0_BLOCK_BYTES if kv_type == KV_TYPES[torch.uint8] else head_dim
     if (
-        cache_dim != head_dim
+        cache_dim != row_size
         or num_heads % num_kv_heads
         or key.shape != kv_shape
         or value.shape != kv_shape
@@ -317,6 +339,7 @@ def _paged_attention(
         v_stride[0],
         v_stride[1],
         kv_cache.data_ptr(),
+        kv_type,
         num_blocks,
         block_size,
         num_kv_heads,
@@ -445,7 +468,7 @@ def decode_stack(
     x: Tensor,
     final_norm: Tensor,
     cos_sin: Tensor,
-    kv_geometry: tuple[int, int],
+    kv_geometry: tuple[int, int, int],
     slot_mapping: Tensor,
     block_tables: Tensor,
     seq_lens: Tensor,
@@ -457,7 +480,8 @@ def decode_stack(
 
     table: int64 [layers, STACK_FIELDS] (`izh.model.fused_stack` builds it); dims: (hidden, heads, kv heads,
     head_dim, intermediate); x: [M, hidden] embeddings, overwritten (it carries the residual stream);
-    cos_sin [M, head_dim]; kv_geometry: (num_blocks, block_size); slot_mapping int64 [M], block_tables
+    cos_sin [M, head_dim]; kv_geometry: (num_blocks, block_size, kv type: `KV_TYPES` of the caches' dtype,
+    one for every layer); slot_mapping int64 [M], block_tables
     int32 [M, max_blocks], seq_lens int32 [M]. lora: None, or (table int64 [layers, STACK_LORA_FIELDS],
     the slots' rank R, row_slots int32 [M] (-1: the base model), slot_ranks int32 [slots]): each record
     matmul is followed by the LoRA deltas of its adapter rows (csrc/lora.c; the table's A and Bt are x's
@@ -490,6 +514,7 @@ def decode_stack(
         seq_lens.data_ptr(),
         kv_geometry[0],
         kv_geometry[1],
+        kv_geometry[2],
         None if lora is None else lora[0].data_ptr(),
         0 if lora is None else lora[1],
         None if lora is None else lora[2].data_ptr(),

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from izh.kernels.kv_cache_dtype import dequantize_kv
+
 __all__ = [
     "add_rms_norm_ref_",
     "argmax_rows_ref",
@@ -82,7 +84,8 @@ def paged_decode_attention_ref(
     Writes key[i]/value[i] to slot `slot_mapping[i]` (slots < 0 are skipped), then sequence i attends to
     positions 0..seq_lens[i]-1 (the new one included), position p at block `block_tables[i, p //
     block_size]`, offset `p % block_size`; query head h reads KV head `h // (H // KVH)`. Returns a new
-    contiguous [n, H, d] in query's dtype. With window > 0 sequence i attends to its last `window`
+    contiguous [n, H, d] in query's dtype. A cache in another format (izh.kernels.kv_cache_dtype) is
+    written through `quantize_kv` and read through `dequantize_kv`. With window > 0 sequence i attends to its last `window`
     positions only (a sliding window: the block-table entries before them are never read); with softcap
     > 0 each score s becomes softcap * tanh(s / softcap).
     """
@@ -116,8 +119,13 @@ def _windowed_decode_ref(
         first = max(0, seq_len - window) if window > 0 else 0
         positions = torch.arange(first, seq_len, device=query.device)
         blocks = block_tables[i, positions // block_size].long()
-        k = kv_cache[0, blocks, positions % block_size].float().repeat_interleave(group, dim=1)
-        v = kv_cache[1, blocks, positions % block_size].float().repeat_interleave(group, dim=1)
+        head_dim = query.shape[2]
+        k = dequantize_kv(kv_cache[0, blocks, positions % block_size], head_dim).repeat_interleave(
+            group, dim=1
+        )
+        v = dequantize_kv(kv_cache[1, blocks, positions % block_size], head_dim).repeat_interleave(
+            group, dim=1
+        )
         scores = torch.einsum("hd,phd->hp", query[i].float(), k) * scale  # [heads, positions]
         if softcap > 0:
             scores = torch.tanh(scores / softcap) * softcap

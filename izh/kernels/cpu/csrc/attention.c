@@ -1,4 +1,5 @@
-/* Paged attention (decode steps and prefill chunks), float32 and bfloat16.
+/* Paged attention (decode steps and prefill chunks), float32 and bfloat16 activations, over a KV cache in
+ * any of the kv types (common.h: float32, bf16, float16, float8 e4m3 / e5m2, q8_0).
  * See common.h for the conventions, izh/kernels/cpu/ops.py for the contract. */
 #include "common.h"
 
@@ -80,13 +81,146 @@ INLINE void ld32_row(const void *p, int64_t c, int64_t D, const int bf, v16f *a,
     }
 }
 
-/* Stores a * scale, b * scale as chunk c of a D-element row, undoing ld32's element order. */
-INLINE void st32_row(void *p, int64_t c, int64_t D, v16f a, v16f b, float scale, const int bf) {
+/* Stores a * scale, b * scale as chunk c of a D-element row (dtype obf), undoing ld32's element order
+ * (bf: the (even, odd) one). */
+INLINE void st32_row(void *p, int64_t c, int64_t D, v16f a, v16f b, float scale, const int bf, const int obf) {
     const int64_t nv = D - 32 * c;
     for (int l = 0; l < 16; l++) {
         const int64_t ea = bf ? 2 * l : l, eb = bf ? 2 * l + 1 : 16 + l;
-        if (ea < nv) st(p, 32 * c + ea, a[l] * scale, bf);
-        if (eb < nv) st(p, 32 * c + eb, b[l] * scale, bf);
+        if (ea < nv) st(p, 32 * c + ea, a[l] * scale, obf);
+        if (eb < nv) st(p, 32 * c + eb, b[l] * scale, obf);
+    }
+}
+
+/* --- the KV cache's element formats (kv_type, common.h; izh/kernels/kv_cache_dtype.py has the references) --- */
+
+INLINE float with_sign(float mag, uint32_t sign) {
+    uint32_t u;
+    memcpy(&u, &mag, sizeof u);
+    u |= sign;
+    memcpy(&mag, &u, sizeof mag);
+    return mag;
+}
+
+/* float16 bits -> float, exact; no arithmetic on subnormal floats (a subnormal half is its mantissa times
+ * 2^-24), so flush-to-zero modes change nothing. Branch-free: loops over it vectorise. */
+INLINE float h2f(uint16_t h) {
+    const uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    uint32_t u = e == 0x1F ? 0x7F800000u | (m << 13) : ((uint32_t)(h & 0x7FFFu) << 13) + (112u << 23);
+    float f;
+    memcpy(&f, &u, sizeof f);
+    f = e == 0 ? (float)m * 0x1p-24f : f;
+    return with_sign(f, (uint32_t)(h & 0x8000u) << 16);
+}
+
+/* float8 e4m3fn bits -> float, exact (0x7F / 0xFF: NaN; no infinities). */
+INLINE float e4m3_to_f(uint8_t b) {
+    const uint32_t e = (b >> 3) & 0xFu, m = b & 7u;
+    uint32_t u = ((uint32_t)(b & 0x7Fu) << 20) + (120u << 23);
+    float f;
+    memcpy(&f, &u, sizeof f);
+    f = e == 0 ? (float)m * 0x1p-9f : f;
+    f = (b & 0x7Fu) == 0x7Fu ? NAN : f;
+    return with_sign(f, (uint32_t)(b & 0x80u) << 24);
+}
+
+/* float8 e5m2 is the high byte of a float16. */
+INLINE float e5m2_to_f(uint8_t b) { return h2f((uint16_t)(b << 8)); }
+
+/* x in a binary float format of ebits exponent and mbits mantissa bits (IEEE-like bias), rounded to nearest
+ * even, its magnitude clamped to maxv (no infinities); NaN -> nanv. The bits, sign included. */
+INLINE uint32_t f2mini(float x, const int ebits, const int mbits, const float maxv, const uint32_t nanv) {
+    const int bias = (1 << (ebits - 1)) - 1;
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint32_t sign = (u >> 31) << (ebits + mbits);
+    float a = fabsf(x);
+    if (a != a) return sign | nanv;
+    a = a > maxv ? maxv : a;
+    uint32_t r;
+    if (a < ldexpf(1.0f, 1 - bias)) { /* subnormal: a multiple of 2^(1 - bias - mbits), exactly scaled */
+        r = (uint32_t)rintf(a * ldexpf(1.0f, bias - 1 + mbits));
+    } else {
+        memcpy(&u, &a, sizeof u);
+        const int shift = 23 - mbits;
+        u += ((u >> shift) & 1u) + (1u << (shift - 1)) - 1u;
+        r = (u >> shift) - ((uint32_t)(127 - bias) << mbits);
+    }
+    return sign | r;
+}
+
+INLINE uint16_t f2h(float x) { return (uint16_t)f2mini(x, 5, 10, 65504.0f, 0x7E00u); }
+
+/* Writes one cache row of kv type kt from d values of src (bf16 when sbf, else float32). q8_0 follows
+ * llama.cpp's quantize_row_q8_0_ref: per 32 values d = amax / 127, q = roundf(x * (1 / d)). */
+static void kv_write_row(void *dst, const void *src, int64_t d, const int sbf, int kt) {
+    uint8_t *o = (uint8_t *)dst;
+    switch (kt) {
+    case KV_F32:
+        for (int64_t j = 0; j < d; j++) ((float *)dst)[j] = ld(src, j, sbf);
+        break;
+    case KV_BF16:
+        for (int64_t j = 0; j < d; j++) ((uint16_t *)dst)[j] = f2bf(ld(src, j, sbf));
+        break;
+    case KV_F16:
+        for (int64_t j = 0; j < d; j++) ((uint16_t *)dst)[j] = f2h(ld(src, j, sbf));
+        break;
+    case KV_E4M3:
+        for (int64_t j = 0; j < d; j++) o[j] = (uint8_t)f2mini(ld(src, j, sbf), 4, 3, 448.0f, 0x7Fu);
+        break;
+    case KV_E5M2:
+        for (int64_t j = 0; j < d; j++) o[j] = (uint8_t)f2mini(ld(src, j, sbf), 5, 2, 57344.0f, 0x7Eu);
+        break;
+    case KV_Q8_0:
+        for (int64_t b = 0; b < d / Q8_0_BLOCK; b++, o += Q8_0_BYTES) {
+            float x[Q8_0_BLOCK], amax = 0.0f;
+            for (int j = 0; j < Q8_0_BLOCK; j++) {
+                x[j] = ld(src, b * Q8_0_BLOCK + j, sbf);
+                amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+            }
+            const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+            const uint16_t h = f2h(scale);
+            memcpy(o, &h, sizeof h);
+            for (int j = 0; j < Q8_0_BLOCK; j++) o[2 + j] = (uint8_t)(int8_t)roundf(x[j] * inv);
+        }
+        break;
+    }
+}
+
+/* Rows rows[0 .. m-1] of a cache of kv type kt (D values each) as float32 into tile [m, ts]; rows[o] then
+ * points at its tile row. One pass over each row, a vectorised loop per format. */
+static __attribute__((noinline)) void kv_tile(float *restrict tile, int64_t ts, const void **rows, int64_t m,
+                                              int64_t D, int kt) {
+    for (int64_t o = 0; o < m; o++) {
+        float *restrict t = tile + o * ts;
+        const uint8_t *restrict r = (const uint8_t *)rows[o];
+        switch (kt) {
+        case KV_F32:
+            memcpy(t, r, sizeof(float) * (size_t)D);
+            break;
+        case KV_BF16:
+            for (int64_t j = 0; j < D; j++) t[j] = bf2f(((const uint16_t *)r)[j]);
+            break;
+        case KV_F16:
+            for (int64_t j = 0; j < D; j++) t[j] = h2f(((const uint16_t *)r)[j]);
+            break;
+        case KV_E4M3:
+            for (int64_t j = 0; j < D; j++) t[j] = e4m3_to_f(r[j]);
+            break;
+        case KV_E5M2:
+            for (int64_t j = 0; j < D; j++) t[j] = e5m2_to_f(r[j]);
+            break;
+        default: /* KV_Q8_0 */
+            for (int64_t b = 0; b < D / Q8_0_BLOCK; b++) {
+                const uint8_t *blk = r + b * Q8_0_BYTES;
+                uint16_t h;
+                memcpy(&h, blk, sizeof h);
+                const float scale = h2f(h);
+                for (int j = 0; j < Q8_0_BLOCK; j++) t[b * Q8_0_BLOCK + j] = scale * (float)(int8_t)blk[2 + j];
+            }
+            break;
+        }
+        rows[o] = t;
     }
 }
 
@@ -115,21 +249,20 @@ INLINE v16f sum16(v16f *a) {
 
 /* The cache row of position p (KV head g) through the sequence's block table. */
 INLINE const void *kv_row(const void *cache, const int32_t *blocks, int64_t p, int64_t block_size, int64_t kvh,
-                          int64_t g, int64_t D, const int bf) {
+                          int64_t g, int64_t rb) {
     const int64_t b = p / block_size;
-    return off(cache, (((int64_t)blocks[b] * block_size + (p - b * block_size)) * kvh + g) * D, bf);
+    return (const char *)cache + (((int64_t)blocks[b] * block_size + (p - b * block_size)) * kvh + g) * rb;
 }
 
 /* Pointers to the rows of positions p0 .. p0+m-1 (KV head g) through the block table, m = min(16, L - p0);
  * returns m (0 past the end). Each row is prefetched: the rows are used one chunk later. */
 INLINE int64_t row_ptrs(const void **rows, const void *cache, const int32_t *blocks, int64_t p0, int64_t L,
-                        int64_t block_size, int64_t kvh, int64_t g, int64_t D, const int bf) {
+                        int64_t block_size, int64_t kvh, int64_t g, int64_t rb) {
     const int64_t m = p0 >= L ? 0 : (L - p0 < 16 ? L - p0 : 16);
-    const int64_t row_bytes = D * (bf ? 2 : 4);
     int64_t b = p0 / block_size, o = p0 - b * block_size;
     for (int64_t k = 0; k < m; k++) {
-        rows[k] = off(cache, (((int64_t)blocks[b] * block_size + o) * kvh + g) * D, bf);
-        for (int64_t x = 0; x < row_bytes; x += 64) __builtin_prefetch((const char *)rows[k] + x);
+        rows[k] = (const char *)cache + (((int64_t)blocks[b] * block_size + o) * kvh + g) * rb;
+        for (int64_t x = 0; x < rb; x += 64) __builtin_prefetch((const char *)rows[k] + x);
         if (++o == block_size) {
             o = 0;
             b++;
@@ -142,36 +275,46 @@ INLINE int64_t row_ptrs(const void **rows, const void *cache, const int32_t *blo
  * one chunk ahead is too close to hide DRAM latency with the few L1 fill buffers a core has. */
 #define ATTN_L2_AHEAD 128
 INLINE void prefetch_rows_l2(const void *cache, const int32_t *blocks, int64_t p0, int64_t L, int64_t block_size,
-                             int64_t kvh, int64_t g, int64_t D, const int bf) {
+                             int64_t kvh, int64_t g, int64_t rb) {
     const int64_t end = p0 + 16 < L ? p0 + 16 : L;
-    const int64_t row_bytes = D * (bf ? 2 : 4);
     for (int64_t p = p0; p < end; p++) {
-        const char *row = (const char *)kv_row(cache, blocks, p, block_size, kvh, g, D, bf);
-        for (int64_t x = 0; x < row_bytes; x += 64) __builtin_prefetch(row + x, 0, 2);
+        const char *row = (const char *)kv_row(cache, blocks, p, block_size, kvh, g, rb);
+        for (int64_t x = 0; x < rb; x += 64) __builtin_prefetch(row + x, 0, 2);
     }
 }
 
+/* One (sequence, KV head) item. bf: the rows' format as loaded (bf16 rows in the (even, odd) order, else
+ * float32); qbf: q's and out's dtype. conv: the cache holds kv type kt (rows of rb bytes), converted to
+ * float32 16 rows at a time into `tile` (in the scratch, L1-sized) just before they are used, each row once
+ * for every query head of the group; the dot products and sums are then the float32 path's. Without conv
+ * the cache holds the activations' dtype (bf == qbf) and is read in place. */
 INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q_ts, int64_t q_hs,
                                   const void *kc, const void *vc, int64_t block_size, int64_t kvh,
                                   const int32_t *blocks, int64_t S, int64_t L, void *out, int64_t H,
-                                  const int64_t D, float scale, float softcap, float *buf, const int bf) {
+                                  const int64_t D, float scale, float softcap, float *buf, const int bf,
+                                  const int qbf, const int conv, int kt, int64_t rb) {
     /* Attends to the L positions S .. S+L-1 (a sliding window starts past 0); scores are indexed from S. */
     const int64_t group = H / kvh, NC = (D + 31) / 32, DP = NC * 32; /* DP: D padded */
     float *restrict sc = buf;
     float *restrict acc = sc + group * L;
     float *restrict inv = acc + group * DP;
+    float *restrict tile = inv + group + 16; /* conv: 16 rows of DP floats, then q as float32 [group, DP] */
+    float *restrict qf = tile + 16 * DP;
     const void *rows[2][16];
 
     if (L <= 0) {
         for (int64_t hh = 0; hh < group; hh++)
-            for (int64_t j = 0; j < D; j++) st(out, (i * H + g * group + hh) * D + j, 0.0f, bf);
+            for (int64_t j = 0; j < D; j++) st(out, (i * H + g * group + hh) * D + j, 0.0f, qbf);
         return;
     }
-    int64_t m = row_ptrs(rows[0], kc, blocks, S, S + L, block_size, kvh, g, D, bf);
+    if (conv && qbf != bf) /* bf16 q against float32 rows: q widened once, in the rows' element order */
+        for (int64_t hh = 0; hh < group; hh++)
+            for (int64_t j = 0; j < D; j++) qf[hh * DP + j] = ld(q, i * q_ts + (g * group + hh) * q_hs + j, qbf);
+    int64_t m = row_ptrs(rows[0], kc, blocks, S, S + L, block_size, kvh, g, rb);
 #if HAVE_DPBF16
     /* bf16 rows of whole 32-element chunks: q . k straight from bf16 by vdpbf16ps (exact products, fp32
      * sums), each K row loaded once for all the query heads sharing it. */
-    if (bf && D % 32 == 0 && group <= ATTN_DP_MAX_GROUP) {
+    if (!conv && bf && D % 32 == 0 && group <= ATTN_DP_MAX_GROUP) {
         __m512bh qv[ATTN_DP_MAX_GROUP][MAX_NC];
         for (int64_t hh = 0; hh < group; hh++) {
             const uint16_t *qp = (const uint16_t *)q + i * q_ts + (g * group + hh) * q_hs;
@@ -180,8 +323,8 @@ INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q
         v16f a[ATTN_DP_MAX_GROUP][16];
         for (int64_t p0 = 0, cur = 0; p0 < L; p0 += 16, cur ^= 1) {
             const void **rk = rows[cur];
-            const int64_t m_next = row_ptrs(rows[cur ^ 1], kc, blocks, S + p0 + 16, S + L, block_size, kvh, g, D, bf);
-            prefetch_rows_l2(kc, blocks, S + p0 + ATTN_L2_AHEAD, S + L, block_size, kvh, g, D, bf);
+            const int64_t m_next = row_ptrs(rows[cur ^ 1], kc, blocks, S + p0 + 16, S + L, block_size, kvh, g, rb);
+            prefetch_rows_l2(kc, blocks, S + p0 + ATTN_L2_AHEAD, S + L, block_size, kvh, g, rb);
             for (int64_t o = 0; o < 16; o++) {
                 if (o >= m) {
                     for (int64_t hh = 0; hh < group; hh++) a[hh][o] = (v16f){0};
@@ -210,10 +353,12 @@ INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q
 #endif
     for (int64_t p0 = 0, cur = 0; p0 < L; p0 += 16, cur ^= 1) {
         const void **rk = rows[cur];
-        const int64_t m_next = row_ptrs(rows[cur ^ 1], kc, blocks, S + p0 + 16, S + L, block_size, kvh, g, D, bf);
-        prefetch_rows_l2(kc, blocks, S + p0 + ATTN_L2_AHEAD, S + L, block_size, kvh, g, D, bf);
+        if (conv) kv_tile(tile, DP, rk, m, D, kt);
+        const int64_t m_next = row_ptrs(rows[cur ^ 1], kc, blocks, S + p0 + 16, S + L, block_size, kvh, g, rb);
+        prefetch_rows_l2(kc, blocks, S + p0 + ATTN_L2_AHEAD, S + L, block_size, kvh, g, rb);
         for (int64_t hh = 0; hh < group; hh++) {
-            const void *qp = off(q, i * q_ts + (g * group + hh) * q_hs, bf);
+            const void *qp = conv && qbf != bf ? (const void *)(qf + hh * DP)
+                                               : (const void *)off(q, i * q_ts + (g * group + hh) * q_hs, bf);
             v16f qa[MAX_NC], qb[MAX_NC], a[16];
             for (int64_t c = 0; c < NC; c++) ld32_row(qp, c, D, bf, &qa[c], &qb[c]);
             for (int64_t o = 0; o < 16; o++) {
@@ -236,11 +381,12 @@ INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q
     }
     softmax_rows(sc, inv, group, L, softcap);
     for (int64_t j = 0; j < group * DP; j++) acc[j] = 0.0f;
-    m = row_ptrs(rows[0], vc, blocks, S, S + L, block_size, kvh, g, D, bf);
+    m = row_ptrs(rows[0], vc, blocks, S, S + L, block_size, kvh, g, rb);
     for (int64_t p0 = 0, cur = 0; p0 < L; p0 += 16, cur ^= 1) {
         const void **rv = rows[cur];
-        const int64_t m_next = row_ptrs(rows[cur ^ 1], vc, blocks, S + p0 + 16, S + L, block_size, kvh, g, D, bf);
-        prefetch_rows_l2(vc, blocks, S + p0 + ATTN_L2_AHEAD, S + L, block_size, kvh, g, D, bf);
+        if (conv) kv_tile(tile, DP, rv, m, D, kt);
+        const int64_t m_next = row_ptrs(rows[cur ^ 1], vc, blocks, S + p0 + 16, S + L, block_size, kvh, g, rb);
+        prefetch_rows_l2(vc, blocks, S + p0 + ATTN_L2_AHEAD, S + L, block_size, kvh, g, rb);
         for (int64_t hh = 0; hh < group; hh++) {
             /* two accumulator sets (even / odd positions) halve the FMA dependency chains */
             v16f aa[2][MAX_NC], ab[2][MAX_NC];
@@ -281,12 +427,12 @@ INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q
         m = m_next;
     }
     for (int64_t hh = 0; hh < group; hh++) {
-        void *oh = off(out, (i * H + g * group + hh) * D, bf);
+        void *oh = off(out, (i * H + g * group + hh) * D, qbf);
         for (int64_t c = 0; c < NC; c++) {
             v16f aa, ab;
             memcpy(&aa, acc + hh * DP + 32 * c, sizeof aa);
             memcpy(&ab, acc + hh * DP + 32 * c + 16, sizeof ab);
-            st32_row(oh, c, D, aa, ab, inv[hh], bf);
+            st32_row(oh, c, D, aa, ab, inv[hh], bf, qbf);
         }
     }
 }
@@ -325,9 +471,9 @@ static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int6
     for (int64_t p0 = 0; p0 < L; p0 += 8) {
         const int64_t m = L - p0 < 8 ? L - p0 : 8;
         for (int64_t o = 0; o < 8; o++)
-            rows[o] = o < m ? (const float *)kv_row(kc, blocks, S + p0 + o, block_size, kvh, g, D, 0) : zero;
+            rows[o] = o < m ? (const float *)kv_row(kc, blocks, S + p0 + o, block_size, kvh, g, D * 4) : zero;
         for (int64_t p = p0 + 8; p < p0 + 16 && p < L; p++) { /* the next rows into L1 */
-            const char *r = (const char *)kv_row(kc, blocks, S + p, block_size, kvh, g, D, 0);
+            const char *r = (const char *)kv_row(kc, blocks, S + p, block_size, kvh, g, D * 4);
             for (int64_t x = 0; x < D * 4; x += 64) _mm_prefetch(r + x, _MM_HINT_T0);
         }
         for (int64_t hh = 0; hh < group; hh++) {
@@ -357,7 +503,7 @@ static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int6
             __m256 acc[8];
             for (int64_t c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
             for (int64_t p = 0; p < L; p++) {
-                const float *row = (const float *)kv_row(vc, blocks, S + p, block_size, kvh, g, D, 0) + 8 * c0;
+                const float *row = (const float *)kv_row(vc, blocks, S + p, block_size, kvh, g, D * 4) + 8 * c0;
                 const __m256 w = _mm256_set1_ps(wh[p]);
                 for (int64_t c = 0; c < nc; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * c), acc[c]);
             }
@@ -369,32 +515,129 @@ static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int6
 #define ATTN_AVX2_ITEM(D)                                                                                    \
     attn_item_f32_avx2(i, g, (const float *)q, q_ts, q_hs, (const float *)kc, (const float *)vc, block_size, kvh, \
                        blocks, S, L, (float *)out, H, D, scale, softcap, buf);
+
+/* float32 q against a cache of another kv type (rows of rb bytes) on AVX2: each 8 rows converted once
+ * into an 8 x D float32 tile (kv_tile) and used by every query head of the group; scores as
+ * attn_item_f32_avx2's, values accumulated per head over the tile into acc [group, D] (in the scratch). */
+static FAST_FP __attribute__((noinline)) void attn_item_conv_avx2(int64_t i, int64_t g, const float *q, int64_t q_ts,
+                                                                  int64_t q_hs, const void *kc, const void *vc,
+                                                                  int64_t block_size, int64_t kvh,
+                                                                  const int32_t *blocks, int64_t S, int64_t L,
+                                                                  float *out, int64_t H, const int64_t D, float scale,
+                                                                  float softcap, float *buf, int kt, int64_t rb) {
+    const int64_t group = H / kvh, NC = D / 8;
+    float *restrict sc = buf;
+    float *restrict inv = sc + group * L;
+    float *restrict acc = inv + group + 16;
+    float *restrict tile = acc + group * D + 16;
+    if (L <= 0) {
+        for (int64_t hh = 0; hh < group; hh++)
+            for (int64_t j = 0; j < D; j++) out[(i * H + g * group + hh) * D + j] = 0.0f;
+        return;
+    }
+    const void *rows[8];
+    for (int pass = 0; pass < 2; pass++) {
+        const void *cache = pass ? vc : kc;
+        if (pass) {
+            softmax_rows(sc, inv, group, L, softcap);
+            memset(acc, 0, sizeof(float) * (size_t)(group * D));
+        }
+        for (int64_t p0 = 0; p0 < L; p0 += 8) {
+            const int64_t m = L - p0 < 8 ? L - p0 : 8;
+            for (int64_t o = 0; o < m; o++) rows[o] = kv_row(cache, blocks, S + p0 + o, block_size, kvh, g, rb);
+            for (int64_t p = p0 + 8; p < p0 + 16 && p < L; p++) { /* the next rows into L1 */
+                const char *r = (const char *)kv_row(cache, blocks, S + p, block_size, kvh, g, rb);
+                for (int64_t x = 0; x < rb; x += 64) _mm_prefetch(r + x, _MM_HINT_T0);
+            }
+            kv_tile(tile, D, rows, m, D, kt);
+            if (m < 8) memset(tile + m * D, 0, sizeof(float) * (size_t)((8 - m) * D));
+            for (int64_t hh = 0; hh < group; hh++) {
+                if (!pass) {
+                    const float *qh = q + i * q_ts + (g * group + hh) * q_hs;
+                    __m256 a[8];
+                    for (int o = 0; o < 8; o++) a[o] = _mm256_setzero_ps();
+                    for (int64_t c = 0; c < NC; c++) {
+                        const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
+                        for (int o = 0; o < 8; o++) a[o] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(tile + o * D + 8 * c), a[o]);
+                    }
+                    float t[8];
+                    _mm256_storeu_ps(t, _mm256_mul_ps(attn_hsum8(a), _mm256_set1_ps(scale)));
+                    for (int64_t o = 0; o < m; o++) sc[hh * L + p0 + o] = t[o];
+                    continue;
+                }
+                const float *wh = sc + hh * L + p0;
+                float *ah = acc + hh * D;
+                for (int64_t c0 = 0; c0 < NC; c0 += 8) {
+                    const int64_t nc = NC - c0 < 8 ? NC - c0 : 8;
+                    __m256 a[8];
+                    for (int64_t c = 0; c < nc; c++) a[c] = _mm256_loadu_ps(ah + 8 * (c0 + c));
+                    for (int64_t o = 0; o < m; o++) {
+                        const __m256 w = _mm256_set1_ps(wh[o]);
+                        for (int64_t c = 0; c < nc; c++)
+                            a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(tile + o * D + 8 * (c0 + c)), a[c]);
+                    }
+                    for (int64_t c = 0; c < nc; c++) _mm256_storeu_ps(ah + 8 * (c0 + c), a[c]);
+                }
+            }
+        }
+    }
+    for (int64_t hh = 0; hh < group; hh++)
+        for (int64_t j = 0; j < D; j++) out[(i * H + g * group + hh) * D + j] = acc[hh * D + j] * inv[hh];
+}
+#define ATTN_AVX2_CONV_ITEM(D)                                                                               \
+    attn_item_conv_avx2(i, g, (const float *)q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, (float *)out, H, \
+                        D, scale, softcap, buf, kt, rb);
 #else
 #define ATTN_AVX2 0
 #define ATTN_AVX2_ITEM(D) (void)0;
+#define ATTN_AVX2_CONV_ITEM(D) (void)0;
 #endif
 
 /* The first position a row of length L sees: L - window under a sliding window shorter than L, else 0. */
 INLINE int64_t window_start(int64_t L, int64_t window) { return window > 0 && L > window ? L - window : 0; }
 
 /* Per dtype, one non-inlined item function (keeps the compile time down): head sizes 64 and 128 get
- * compile-time copies, the rest (up to 32 * MAX_NC) the runtime-D one. */
+ * compile-time copies, the rest (up to 32 * MAX_NC) the runtime-D one. A cache of another kv type than the
+ * activations' (kt) goes through the converting copies (attn_item_conv_*). */
 #define DEFINE_ATTN_ITEM(SFX, BF)                                                                             \
+    static FAST_FP __attribute__((noinline)) void attn_item_conv_##SFX(                                      \
+        int64_t i, int64_t g, const void *q, int64_t q_ts, int64_t q_hs, const void *kc, const void *vc,     \
+        int64_t block_size, int64_t kvh, const int32_t *blocks, int64_t S, int64_t L, void *out, int64_t H,  \
+        int64_t d, float scale, float softcap, float *buf, int kt, int64_t rb) {                             \
+        if (ATTN_AVX2 && !(BF) && d % 8 == 0)                                                                \
+            ATTN_AVX2_CONV_ITEM(d == 64 ? 64 : d == 128 ? 128 : d)                                           \
+        else if (d == 64)                                                                                    \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, out, H, 64, scale, softcap, buf, \
+                          0, BF, 1, kt, rb);                                                                 \
+        else if (d == 128)                                                                                   \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, out, H, 128, scale, softcap, \
+                          buf, 0, BF, 1, kt, rb);                                                            \
+        else                                                                                                 \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, out, H, d, scale, softcap, buf, \
+                          0, BF, 1, kt, rb);                                                                 \
+    }                                                                                                        \
     static FAST_FP __attribute__((noinline)) void attn_item_##SFX(                                           \
         int64_t it, const void *q, int64_t q_ts, int64_t q_hs, const void *kc, const void *vc,              \
         int64_t block_size, int64_t kvh, const int32_t *bt, int64_t max_blocks, const int32_t *row_seq,     \
         const int32_t *seq_lens, int64_t window, float softcap, void *out, int64_t H, int64_t d, float scale, \
-        float *buf) {                                                                                        \
+        float *buf, int kt) {                                                                                \
         const int64_t i = it / kvh, g = it % kvh, S = window_start(seq_lens[i], window), L = seq_lens[i] - S; \
         const int32_t *blocks = bt + (row_seq ? row_seq[i] : i) * max_blocks;                               \
-        if (ATTN_AVX2 && !(BF) && d % 8 == 0)                                                                \
+        const int64_t rb = (BF) ? d * 2 : d * 4;                                                             \
+        if (kt != ((BF) ? KV_BF16 : KV_F32))                                                                 \
+            attn_item_conv_##SFX(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, out, H, d, scale,  \
+                                 softcap, buf, kt, kv_row_bytes(kt, d));                                     \
+        else if (ATTN_AVX2 && !(BF) && d % 8 == 0)                                                           \
             ATTN_AVX2_ITEM(d == 64 ? 64 : d == 128 ? 128 : d)                                                \
         else if (d == 64)                                                                                    \
-            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, out, H, 64, scale, softcap, buf, BF); \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, out, H, 64, scale, softcap, buf, \
+                          BF, BF, 0, kt, rb);                                                                \
         else if (d == 128)                                                                                   \
-            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, out, H, 128, scale, softcap, buf, BF); \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, out, H, 128, scale, softcap, \
+                          buf, BF, BF, 0, kt, rb);                                                           \
         else                                                                                                 \
-            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, out, H, d, scale, softcap, buf, BF); \
+            attn_item_vec(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, out, H, d, scale, softcap, buf, \
+                          BF, BF, 0, kt, rb);                                                                \
     }
 
 DEFINE_ATTN_ITEM(f32, 0)
@@ -407,11 +650,12 @@ DEFINE_ATTN_ITEM(bf16, 1)
  * entries before it may be -1, blocks already freed). Slots < 0 are skipped (padding rows). Sets *max_len
  * and *work (sum of the lengths read). */
 INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v, int64_t v_ts, int64_t v_hs,
-                        void *kc, void *vc, int64_t num_blocks, int64_t block_size, int64_t kvh,
+                        void *kc, void *vc, int kt, int64_t num_blocks, int64_t block_size, int64_t kvh,
                         const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks,
                         const int32_t *row_seq, int64_t num_seqs, const int32_t *seq_lens, int64_t window, int64_t n,
                         int64_t d, int64_t *max_len, int64_t *work, const int bf) {
     const int64_t num_slots = num_blocks * block_size;
+    if (kt < 0 || kt > KV_Q8_0 || (kt == KV_Q8_0 && d % Q8_0_BLOCK)) return -6;
     *max_len = 0;
     *work = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -429,12 +673,18 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
         *work += L - S;
     }
     const size_t bytes = (size_t)d * (bf ? 2 : 4);
+    const int64_t rb = kv_row_bytes(kt, d);
     for (int64_t i = 0; i < n; i++) {
         const int64_t slot = slot_mapping[i];
         if (slot < 0) continue;
         for (int64_t hh = 0; hh < kvh; hh++) {
-            memcpy(off(kc, (slot * kvh + hh) * d, bf), off(k, i * k_ts + hh * k_hs, bf), bytes);
-            memcpy(off(vc, (slot * kvh + hh) * d, bf), off(v, i * v_ts + hh * v_hs, bf), bytes);
+            if (kt == (bf ? KV_BF16 : KV_F32)) {
+                memcpy(off(kc, (slot * kvh + hh) * d, bf), off(k, i * k_ts + hh * k_hs, bf), bytes);
+                memcpy(off(vc, (slot * kvh + hh) * d, bf), off(v, i * v_ts + hh * v_hs, bf), bytes);
+            } else {
+                kv_write_row((char *)kc + (slot * kvh + hh) * rb, off(k, i * k_ts + hh * k_hs, bf), d, bf, kt);
+                kv_write_row((char *)vc + (slot * kvh + hh) * rb, off(v, i * v_ts + hh * v_hs, bf), d, bf, kt);
+            }
         }
     }
     return 0;
@@ -446,24 +696,27 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
  * per token (its position + 1 as the length). Each row is one work item per KV head, computed the same way
  * whatever the other rows are, so a token's attention does not depend on the batch, on how its prompt was
  * chunked, or on whether it ran as a decode or in a prefill (the row kernels share one code path).
- * kv_cache: [2, num_blocks, block_size, kvh, d]; returns attn_prepare's code (-5: a row_seq entry outside
- * [0, num_seqs)), or -4 when out of memory. */
+ * kv_cache: [2, num_blocks, block_size, kvh, row] of kv_type (row: kv_row_bytes(kv_type, d) bytes; the new
+ * K/V are converted as they are written, each cached row as it is read); returns attn_prepare's code (-5: a
+ * row_seq entry outside [0, num_seqs), -6: an unknown kv_type, or q8_0 with d not a multiple of 32), or -4
+ * when out of memory. */
 #define DEFINE_ATTENTION(SFX, BF)                                                                            \
     FAST_FP int izh_paged_attention_##SFX(                                                                   \
         const void *q, int64_t q_ts, int64_t q_hs, const void *k, int64_t k_ts, int64_t k_hs, const void *v,   \
-        int64_t v_ts, int64_t v_hs, void *kv_cache, int64_t num_blocks, int64_t block_size, int64_t kvh,     \
-        const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks, const int32_t *row_seq,  \
-        int64_t num_seqs, const int32_t *seq_lens, int64_t window, float softcap, void *out, int64_t n,        \
-        int64_t H, int64_t d, float scale, int nt) {                                                         \
+        int64_t v_ts, int64_t v_hs, void *kv_cache, int kv_type, int64_t num_blocks, int64_t block_size,     \
+        int64_t kvh, const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks,           \
+        const int32_t *row_seq, int64_t num_seqs, const int32_t *seq_lens, int64_t window, float softcap,      \
+        void *out, int64_t n, int64_t H, int64_t d, float scale, int nt) {                                   \
         void *kc = kv_cache;                                                                                 \
-        void *vc = off(kv_cache, num_blocks * block_size * kvh * d, BF);                                     \
+        void *vc = (char *)kv_cache + num_blocks * block_size * kvh * kv_row_bytes(kv_type, d);              \
         int64_t max_len, work;                                                                               \
-        int rc = attn_prepare(k, k_ts, k_hs, v, v_ts, v_hs, kc, vc, num_blocks, block_size, kvh, slot_mapping, \
+        int rc = attn_prepare(k, k_ts, k_hs, v, v_ts, v_hs, kc, vc, kv_type, num_blocks, block_size, kvh,     \
+                              slot_mapping,                                                                  \
                               block_tables, max_blocks, row_seq, num_seqs, seq_lens, window, n, d, &max_len, &work, \
                               BF);                                                                           \
         if (rc != 0) return rc;                                                                              \
         const int64_t group = H / kvh;                                                                       \
-        const size_t scratch = (size_t)(group * (max_len + d + 32) + group) * sizeof(float);                \
+        const size_t scratch = (size_t)(group * (max_len + 2 * d + 64) + group + 32 + 16 * (d + 32)) * sizeof(float); \
         const int64_t items = n * kvh;                                                                       \
         int failed = 0;                                                                                      \
         if (nt <= 1 || work * H * d < PAR_MIN_ATTN || items <= 1) {                                          \
@@ -471,7 +724,7 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
             if (!buf) return -4;                                                                             \
             for (int64_t it = 0; it < items; it++)                                                           \
                 attn_item_##SFX(it, q, q_ts, q_hs, kc, vc, block_size, kvh, block_tables, max_blocks, row_seq, \
-                                seq_lens, window, softcap, out, H, d, scale, buf);                           \
+                                seq_lens, window, softcap, out, H, d, scale, buf, kv_type);                  \
             free(buf);                                                                                       \
         } else {                                                                                             \
             _Pragma("omp parallel num_threads(nt) reduction(| : failed)") {                                  \
@@ -479,7 +732,7 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
                 failed |= buf == NULL;                                                                       \
                 _Pragma("omp for schedule(dynamic, kvh)") for (int64_t it = 0; it < items; it++) if (buf)      \
                     attn_item_##SFX(it, q, q_ts, q_hs, kc, vc, block_size, kvh, block_tables, max_blocks,    \
-                                    row_seq, seq_lens, window, softcap, out, H, d, scale, buf);              \
+                                    row_seq, seq_lens, window, softcap, out, H, d, scale, buf, kv_type);     \
                 free(buf);                                                                                   \
             }                                                                                                \
         }                                                                                                    \
@@ -488,10 +741,11 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
     /* One row per sequence (a decode step): izh_paged_attention with row_seq NULL. */                      \
     int izh_paged_decode_attention_##SFX(                                                                    \
         const void *q, int64_t q_ts, int64_t q_hs, const void *k, int64_t k_ts, int64_t k_hs, const void *v,   \
-        int64_t v_ts, int64_t v_hs, void *kv_cache, int64_t num_blocks, int64_t block_size, int64_t kvh,     \
-        const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, \
-        int64_t window, float softcap, void *out, int64_t n, int64_t H, int64_t d, float scale, int nt) {    \
-        return izh_paged_attention_##SFX(q, q_ts, q_hs, k, k_ts, k_hs, v, v_ts, v_hs, kv_cache, num_blocks,   \
+        int64_t v_ts, int64_t v_hs, void *kv_cache, int kv_type, int64_t num_blocks, int64_t block_size,     \
+        int64_t kvh, const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks,           \
+        const int32_t *seq_lens, int64_t window, float softcap, void *out, int64_t n, int64_t H, int64_t d,    \
+        float scale, int nt) {                                                                               \
+        return izh_paged_attention_##SFX(q, q_ts, q_hs, k, k_ts, k_hs, v, v_ts, v_hs, kv_cache, kv_type, num_blocks, \
                                          block_size, kvh, slot_mapping, block_tables, max_blocks, NULL, n,     \
                                          seq_lens, window, softcap, out, n, H, d, scale, nt);                 \
     }

@@ -115,6 +115,24 @@ INLINE float exp_f32(float x) {
     return x != x ? x : y;
 }
 
+/* The KV cache's element formats (the attention kernels' kv_type; izh/kernels/kv_cache_dtype.py): a cache
+ * row (one token, one KV head) holds d values as float32, bf16, float16, float8 e4m3fn or e5m2, or q8_0
+ * (llama.cpp's block_q8_0: per 32 values a float16 scale and 32 int8 codes, 34 bytes). */
+enum { KV_F32, KV_BF16, KV_F16, KV_E4M3, KV_E5M2, KV_Q8_0 };
+#define Q8_0_BLOCK 32
+#define Q8_0_BYTES 34
+
+INLINE int64_t kv_row_bytes(int kt, int64_t d) {
+    switch (kt) {
+    case KV_F32: return d * 4;
+    case KV_BF16:
+    case KV_F16: return d * 2;
+    case KV_E4M3:
+    case KV_E5M2: return d;
+    default: return d / Q8_0_BLOCK * Q8_0_BYTES;
+    }
+}
+
 /* Record sizes (bytes) of the quantized weights; the layout is described in qgemm_avx512.c. */
 #define Q4_RECORD 320
 #define Q8_RECORD 544
@@ -132,12 +150,14 @@ INLINE float exp_f32(float x) {
                           int64_t heads, int64_t d, int nt);                                                   \
     int izh_paged_decode_attention_##SFX(                                                                      \
         const void *q, int64_t q_ts, int64_t q_hs, const void *k, int64_t k_ts, int64_t k_hs, const void *v,     \
-        int64_t v_ts, int64_t v_hs, void *kv_cache, int64_t num_blocks, int64_t block_size, int64_t kvh,       \
-        const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, \
-        int64_t window, float softcap, void *out, int64_t n, int64_t H, int64_t d, float scale, int nt);        \
+        int64_t v_ts, int64_t v_hs, void *kv_cache, int kv_type, int64_t num_blocks, int64_t block_size,       \
+        int64_t kvh, const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks,             \
+        const int32_t *seq_lens, int64_t window, float softcap, void *out, int64_t n, int64_t H, int64_t d,      \
+        float scale, int nt);                                                                                  \
     int izh_paged_attention_##SFX(                                                                             \
         const void *q, int64_t q_ts, int64_t q_hs, const void *k, int64_t k_ts, int64_t k_hs, const void *v,     \
-        int64_t v_ts, int64_t v_hs, void *kv_cache, int64_t num_blocks, int64_t block_size, int64_t kvh,       \
+        int64_t v_ts, int64_t v_hs, void *kv_cache, int kv_type, int64_t num_blocks, int64_t block_size,       \
+        int64_t kvh,                                                                                           \
         const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks, const int32_t *row_seq,    \
         int64_t num_seqs, const int32_t *seq_lens, int64_t window, float softcap, void *out, int64_t n,          \
         int64_t H, int64_t d, float scale, int nt);
@@ -145,7 +165,8 @@ IZH_DECLARE_ROW_KERNELS(f32)
 IZH_DECLARE_ROW_KERNELS(bf16)
 
 /* The decode stacks' per-layer table (izh_decode_stack_bf16 in stack.c): num_layers rows of STACK_FIELDS
- * int64: input-norm weight, post-attention-norm weight, KV cache ([2, num_blocks, block_size, kvh, d]),
+ * int64: input-norm weight, post-attention-norm weight, KV cache ([2, num_blocks, block_size, kvh, row] of
+ * the stack's kv_type argument),
  * then (records, kind 4 or 8, bias or 0) for qkv, o, gate_up, down. The float32 stack also takes kind
  * STACK_GGUF: the linear's rows in GGUF blocks (gguf_blocks.c), the first field then pointing at int64
  * [1 + 4 * parts]: the number of parts, then per part (ggml type, blocks, row bytes, rows), stacked by rows. */
@@ -212,7 +233,8 @@ int izh_q8_gemm(const uint16_t *x, int64_t xs, const uint8_t *w, int64_t M, int6
         IZH_STACK_LORA(SFX, 0, normed, qkv_w, hidden, qkv)                                                     \
         izh_rotary_##SFX(qkv, qkv_w, d, cos_sin, M, H + kvh, d, nt);                                           \
         rc = izh_paged_decode_attention_##SFX(qkv, qkv_w, d, qkv + H * d, qkv_w, d, qkv + (H + kvh) * d, qkv_w, \
-                                              d, (void *)(intptr_t)lp[STACK_KV], num_blocks, block_size, kvh,  \
+                                              d, (void *)(intptr_t)lp[STACK_KV], (int)kv_type, num_blocks,     \
+                                              block_size, kvh,                                                 \
                                               slot_mapping, block_tables, max_blocks, seq_lens, 0, 0.0f, attn, M, H, d, \
                                               scale, nt);                                                      \
         if (rc) break;                                                                                         \

@@ -576,7 +576,7 @@ int izh_decode_stack_f32(const int64_t *layers, int64_t num_layers, int64_t M, i
                          int64_t kvh, int64_t d, int64_t inter, float eps, float scale, float *x,
                          const float *final_norm, float *out, const float *cos_sin, const int64_t *slot_mapping,
                          const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
-                         int64_t num_blocks, int64_t block_size, const int64_t *lora, int64_t lora_rank,
+                         int64_t num_blocks, int64_t block_size, int64_t kv_type, const int64_t *lora, int64_t lora_rank,
                          const int32_t *row_slots, const int32_t *slot_ranks, int nt) {
     if (M < 1) return -5;
     IZH_DECODE_STACK_BODY(float, f32, stack_linear_f32)

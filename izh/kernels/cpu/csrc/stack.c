@@ -32,7 +32,7 @@ int izh_decode_stack_bf16(const int64_t *layers, int64_t num_layers, int64_t M, 
                           int64_t kvh, int64_t d, int64_t inter, float eps, float scale, uint16_t *x,
                           const uint16_t *final_norm, uint16_t *out, const uint16_t *cos_sin,
                           const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks,
-                          const int32_t *seq_lens, int64_t num_blocks, int64_t block_size,
+                          const int32_t *seq_lens, int64_t num_blocks, int64_t block_size, int64_t kv_type,
                           const int64_t *lora, int64_t lora_rank, const int32_t *row_slots,
                           const int32_t *slot_ranks, int nt) {
     if (M < 1 || M > izh_qgemm_max_rows()) return -5;
@@ -43,12 +43,12 @@ int izh_decode_stack_bf16(const int64_t *layers, int64_t num_layers, int64_t M, 
                           int64_t kvh, int64_t d, int64_t inter, float eps, float scale, uint16_t *x,
                           const uint16_t *final_norm, uint16_t *out, const uint16_t *cos_sin,
                           const int64_t *slot_mapping, const int32_t *block_tables, int64_t max_blocks,
-                          const int32_t *seq_lens, int64_t num_blocks, int64_t block_size,
+                          const int32_t *seq_lens, int64_t num_blocks, int64_t block_size, int64_t kv_type,
                           const int64_t *lora, int64_t lora_rank, const int32_t *row_slots,
                           const int32_t *slot_ranks, int nt) {
     (void)layers, (void)num_layers, (void)M, (void)hidden, (void)H, (void)kvh, (void)d, (void)inter, (void)eps;
     (void)scale, (void)x, (void)final_norm, (void)out, (void)cos_sin, (void)slot_mapping, (void)block_tables;
-    (void)max_blocks, (void)seq_lens, (void)num_blocks, (void)block_size, (void)lora, (void)lora_rank;
+    (void)max_blocks, (void)seq_lens, (void)num_blocks, (void)block_size, (void)kv_type, (void)lora, (void)lora_rank;
     (void)row_slots, (void)slot_ranks, (void)nt;
     return -2;
 }
