@@ -268,9 +268,9 @@ class ModelRunner:
         # The fused C decode stack runs every layer inside one C call, with no all-reduce between: under
         # tensor parallelism each layer runs as modules (packed records per shard still apply).
         if not self.is_encoder and self.tp_runtime is None and self.model.prepare_fused_decode():
-            stack = self.model.fused_stack
-            assert stack is not None
-            limit = "any number of" if stack.max_tokens >= RECORDS_ANY_ROWS else f"<= {stack.max_tokens}"
+            rows = self.model.decode_stack_rows()
+            assert rows is not None
+            limit = "any number of" if rows >= RECORDS_ANY_ROWS else f"<= {rows}"
             logger.info("decode steps of %s tokens run the fused C decoder stack", limit)
         self.lora: LoraManager | None = None
         """The LoRA adapters (when the config enables LoRA): attached before the CUDA graphs are captured,
@@ -413,8 +413,7 @@ class ModelRunner:
         """The most single-token rows a decode step runs through the fused C decode stack (None: no
         stack). Speculative verification stays within it: past it the step runs through the modules,
         whose bfloat16 matmuls over more than a few rows are not the decode's (another row order)."""
-        stack = getattr(self.model, "fused_stack", None) if not self.is_encoder else None
-        return None if stack is None else stack.max_tokens
+        return None if self.is_encoder else self.model.decode_stack_rows()
 
     @property
     def num_local_kv_heads(self) -> int:

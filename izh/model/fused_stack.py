@@ -107,7 +107,7 @@ class FusedDecodeStack:
                 kv_cache.data_ptr(),
             ]
             for linear in layer.linears:
-                fields = _linear_fields(linear, dtype, keep)
+                fields = linear_fields(linear, dtype, keep)
                 if fields is None:
                     return None
                 row.extend(fields)
@@ -197,7 +197,7 @@ class FusedDecodeStack:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _linear_fields(linear: Linear, dtype: torch.dtype, keep: list[Tensor]) -> list[int] | None:
+def linear_fields(linear: Linear, dtype: torch.dtype, keep: list[Tensor]) -> list[int] | None:
     """(records pointer, kind 4 or 8, bias pointer or 0) for a linear packed with izh's records; for one in
     a GGUF file's blocks (float32 only), (parts table, STACK_GGUF, bias), the table appended to `keep`."""
     packed = linear.packed

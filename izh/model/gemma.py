@@ -11,8 +11,11 @@ its local layers.
 Attention goes through izh.model.sliding_window's WindowedBackend: the C paged kernel with the window
 and the soft-cap on a CPU, elsewhere the engine's backend whenever that is exact, else a torch path reading only the
 window's slots. The sliding and global layers keep their KV in separate cache groups
-(`KVCacheLayout.for_layers`), so the engine frees the sliding layers' blocks past their window. The fused C decode stack is Llama-shaped and not used (the module path runs
-with packed linears).
+(`KVCacheLayout.for_layers`), so the engine frees the sliding layers' blocks past their window.
+
+On a CPU in float32 the GeGLU and the q/k norms run izh's C kernels (`gelu_tanh_mul`, `rms_norm_heads_`),
+and a decode step runs Gemma's own fused C decode stack (izh.model.gemma_stack: the same kernels in one
+call, bit-identical to these modules).
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from collections.abc import Callable, Iterator
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from izh.kernels.cpu.gemma import gelu_tanh_mul, rms_norm_heads_
 from izh.model.attention import AttentionBackend, AttentionMetadata
 from izh.model.config import ModelConfig
-from izh.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabEmbedding
+from izh.model.gemma_stack import GemmaDecodeStack, GemmaStackLayer
+from izh.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rotary_
 from izh.model.llama import DecoderAttention, LlamaForCausalLM
 from izh.model.sliding_window import KVCacheLayout, WindowedBackend
 from izh.model.weights import CheckpointTensor
@@ -36,8 +40,7 @@ class GeGLUMLP(GatedMLP):
     """down(gelu_tanh(gate(x)) * up(x)), gate and up packed in one matmul."""
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
+        return self.down_proj(gelu_tanh_mul(self.gate_up_proj(x)))
 
 
 class GemmaAttention(DecoderAttention):
@@ -58,7 +61,17 @@ class GemmaAttention(DecoderAttention):
         backend: AttentionBackend,
     ) -> Tensor:
         self.window_backend.inner = backend
-        return super().forward(hidden_states, cos_sin, attn_metadata, self.window_backend)
+        num_tokens = hidden_states.shape[0]
+        h, kvh = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden_states).view(num_tokens, h + 2 * kvh, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            # In place in the fresh qkv buffer, each head as a row (the C stack's kernel).
+            rms_norm_heads_(qkv[:, :h], self.q_norm.weight, self.q_norm.eps)
+            rms_norm_heads_(qkv[:, h : h + kvh], self.k_norm.weight, self.k_norm.eps)
+        apply_rotary_(qkv[:, : h + kvh], cos_sin)
+        q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
+        out = self.window_backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, h * self.head_dim))
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -138,6 +151,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(config, dtype=dtype)
+        self.gemma_stack: GemmaDecodeStack | None = None
+        """Decode steps in one C call (`prepare_fused_decode`); None runs the modules."""
         self.local_rotary_emb = (
             RotaryEmbedding(
                 config.head_dim, config.max_position_embeddings, config.rope_local_theta, None, dtype=dtype
@@ -161,15 +176,62 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         local_cos_sin = global_cos_sin if local is None else local(positions)
         backend = self.paged_backend if self._kv_caches_bound else self.reference_backend
         model = cast(GemmaDecoderModel, self.model)
+        stack = self.gemma_stack
+        if (
+            stack is not None
+            and inputs_embeds is None
+            and (self.lora is None or not self.lora.active)
+            and stack.applies(input_ids, attn_metadata, backend)
+        ):
+            embeds = model.embed_tokens(input_ids) * model.embed_scale  # as GemmaDecoderModel scales them
+            return stack.run(embeds, (global_cos_sin, local_cos_sin), attn_metadata)
         return model(input_ids, (global_cos_sin, local_cos_sin), attn_metadata, backend, inputs_embeds)
 
     def kv_cache_layout(self) -> KVCacheLayout:
         return cast(GemmaDecoderModel, self.model).kv_layout
 
     def prepare_fused_decode(self) -> bool:
-        """The fused C stack runs Llama's layer; Gemma's decode runs the modules (packed linears)."""
+        """Run decode steps through Gemma's own C stack (izh.model.gemma_stack) from now on, when this
+        model can (float32 on a CPU with the C kernels, linears packed, KV caches bound); Llama's stack
+        (`fused_stack`) never runs Gemma's layers."""
         self.fused_stack = None
-        return False
+        model = cast(GemmaDecoderModel, self.model)
+        layers = []
+        for module in model.layers:
+            layer = cast(GemmaDecoderLayer, module)
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                layer.pre_feedforward_layernorm.weight,
+                layer.post_feedforward_layernorm.weight,
+            )
+            qk = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm and attn.k_norm else None
+            layers.append(
+                GemmaStackLayer(
+                    norms=norms,
+                    qk_norms=qk,
+                    kv_cache=attn.kv_cache,
+                    kv_group=attn.window_backend.kv_group,
+                    window=attn.sliding_window or 0,
+                    local_rope=layer.sliding,
+                    linears=(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
+                )
+            )
+        scale = cast(GemmaAttention, cast(GemmaDecoderLayer, model.layers[0]).self_attn).scale
+        num_groups = len(model.kv_layout.windows)
+        self.gemma_stack = GemmaDecodeStack.build(
+            self.config, self.dtype, layers, model.norm.weight, scale, num_groups
+        )
+        return self.gemma_stack is not None
+
+    def decode_stack_rows(self) -> int | None:
+        stack = self.gemma_stack
+        return None if stack is None else stack.max_tokens
+
+    def bind_kv_caches(self, kv_caches: list[Tensor] | None) -> None:
+        self.gemma_stack = None  # its table points at the old caches
+        super().bind_kv_caches(kv_caches)
 
     def compute_logits(self, hidden_states: Tensor, out: Tensor | None = None) -> Tensor:
         logits = super().compute_logits(hidden_states, out)

@@ -231,6 +231,12 @@ class LlamaForCausalLM(nn.Module):
         self.fused_stack = FusedDecodeStack.build(self.config, self.dtype, layers, self.model.norm.weight)
         return self.fused_stack is not None
 
+    def decode_stack_rows(self) -> int | None:
+        """The most single-token decodes a step runs through this model's fused C decode stack (None:
+        it has none now)."""
+        stack = self.fused_stack
+        return None if stack is None else stack.max_tokens
+
     def attach_lora(self, num_slots: int, max_rank: int) -> LoraModel:
         """Give every decoder layer's linears `num_slots` LoRA slots of rank <= `max_rank` (empty)."""
         self.lora = LoraModel(list(self.model.layers), num_slots, max_rank)

@@ -3,7 +3,8 @@ izh's records, or Q5_0 in the file's own blocks) for a request (Llama, Qwen2, an
 whose sliding windows free KV blocks) are bit-identical whether it runs alone, in a batch of prompts of mixed
 lengths, with its prompt prefilled in small chunks, after preemption, or from the prefix cache
 (docs/operations.md, "Batch invariance"). The logits are read at the runner (every sampled row and every
-prompt row, float32), not through the sampled tokens alone."""
+prompt row, float32), not through the sampled tokens alone. Decode-only steps of these packed float32 models
+run the fused C decode stacks (Gemma's its own), the others the modules: both must agree to the bit."""
 
 from __future__ import annotations
 
@@ -127,6 +128,7 @@ def variant(request: pytest.FixtureRequest) -> Iterator[str]:
         ("qwen2", "Q5_0"),
         ("gemma2", "Q4_1"),
         ("gemma3", "Q4_1"),
+        ("gemma3", "Q5_0"),
         ("phi3", "Q4_1"),
     ],
 )

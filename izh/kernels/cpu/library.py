@@ -53,7 +53,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_ABI_VERSION = 9  # izh_cpu_abi_version() in csrc/abi.c
+_ABI_VERSION = 10  # izh_cpu_abi_version() in csrc/abi.c
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # the paged attention kernels' leading arguments (q .. v with their strides, the cache, its kv type,
 # num_blocks, block_size, kvh, slot_mapping, block_tables, max_blocks) and trailing ones (out, n, H, d,

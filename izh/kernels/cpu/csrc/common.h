@@ -146,6 +146,10 @@ INLINE int64_t kv_row_bytes(int kt, int64_t d) {
     void izh_add_rms_norm_##SFX(const void *x, void *res, const void *w, void *out, int64_t n, int64_t h,     \
                                 float eps, int nt);                                                            \
     void izh_silu_mul_##SFX(const void *gu, int64_t gu_stride, void *out, int64_t n, int64_t inter, int nt);  \
+    void izh_gelu_tanh_mul_##SFX(const void *gu, int64_t gu_stride, void *out, int64_t n, int64_t inter,      \
+                                 int nt);                                                                      \
+    void izh_rms_norm_heads_##SFX(void *x, int64_t tok_stride, int64_t head_stride, const void *w, int64_t n, \
+                                  int64_t heads, int64_t d, float eps, int nt);                                \
     void izh_rotary_##SFX(void *x, int64_t tok_stride, int64_t head_stride, const void *cs, int64_t n,        \
                           int64_t heads, int64_t d, int nt);                                                   \
     int izh_paged_decode_attention_##SFX(                                                                      \
@@ -173,6 +177,10 @@ IZH_DECLARE_ROW_KERNELS(bf16)
 enum { STACK_IN_NORM, STACK_POST_NORM, STACK_KV, STACK_QKV, STACK_O = STACK_QKV + 3, STACK_GATE_UP = STACK_O + 3,
        STACK_DOWN = STACK_GATE_UP + 3, STACK_FIELDS = STACK_DOWN + 3 };
 enum { STACK_GGUF = 1 };
+
+/* records_f32.c: out [M, N] = x [M, K] @ W^T (+ bias) for a linear's (records or parts, kind, bias) fields of
+ * the stack tables; 0, or a stack code (-4 out of memory, -6 a shape the matmul refused). */
+int izh_stack_linear_f32(const int64_t *lin, const float *x, int64_t M, int64_t N, int64_t K, float *out, int nt);
 
 /* gguf_blocks.c: out [M, N] = x [M, K] @ W^T over GGUF blocks (see there). */
 int izh_gguf_matmul_f32(int type, const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int64_t M,

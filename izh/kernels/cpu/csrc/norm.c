@@ -1,4 +1,5 @@
-/* RMSNorm, add + RMSNorm, rotary and SiLU * up, float32 and bfloat16.
+/* RMSNorm (of rows, and in place of each head of q/k), add + RMSNorm, rotary, SiLU * up and GELU(tanh) * up,
+ * float32 and bfloat16.
  * See common.h for the conventions, izh/kernels/cpu/ops.py for the contract. */
 #include "common.h"
 
@@ -89,6 +90,19 @@ INLINE void silu_mul_row(const void *gu, void *out, int64_t inter, const int bf)
     }
 }
 
+/* GELU with the tanh approximation times up on one row [gate | up] (Gemma's GeGLU): 0.5 g (1 + tanh(u)),
+ * u = sqrt(2 / pi) (g + 0.044715 g^3), computed as g / (1 + exp(-2u)) through exp_f32 (the same value, with
+ * no cancellation where tanh(u) nears -1; torch uses Sleef's tanh: an element may differ from it by a few
+ * ulps). The gelu rounds to the dtype before the product. */
+INLINE void gelu_tanh_mul_row(const void *gu, void *out, int64_t inter, const int bf) {
+    const void *up = off(gu, inter, bf);
+    for (int64_t j = 0; j < inter; j++) {
+        const float g = ld(gu, j, bf);
+        const float u = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+        st(out, j, rnd(g / (1.0f + exp_f32(-2.0f * u)), bf) * ld(up, j, bf), bf);
+    }
+}
+
 /* Rotate-half RoPE over one head, in place; every product / sum rounds to the dtype (torch's ops). */
 INLINE void rotary_head(void *x, const void *cs, int64_t half, const int bf) {
     void *x2p = off(x, half, bf);
@@ -124,6 +138,9 @@ INLINE void rotary_head(void *x, const void *cs, int64_t half, const int bf) {
     static __attribute__((noinline)) void silu_mul_row_##SFX(const void *gu, void *out, int64_t inter) {    \
         silu_mul_row(gu, out, inter, BF);                                                                    \
     }                                                                                                        \
+    static __attribute__((noinline)) void gelu_tanh_mul_row_##SFX(const void *gu, void *out, int64_t inter) {\
+        gelu_tanh_mul_row(gu, out, inter, BF);                                                               \
+    }                                                                                                        \
     static __attribute__((noinline)) void rotary_row_##SFX(void *x, int64_t head_stride, const void *cs,    \
                                                            int64_t heads, int64_t d) {                      \
         for (int64_t hh = 0; hh < heads; hh++) rotary_head(off(x, hh * head_stride, BF), cs, d / 2, BF);     \
@@ -144,6 +161,21 @@ INLINE void rotary_head(void *x, const void *cs, int64_t half, const int bf) {
                             int nt) {                                                                        \
         ROW_LOOP(n * inter * 4, n,                                                                           \
                  silu_mul_row_##SFX(off(gu, r * gu_stride, BF), off(out, r * inter, BF), inter));           \
+    }                                                                                                        \
+    void izh_gelu_tanh_mul_##SFX(const void *gu, int64_t gu_stride, void *out, int64_t n, int64_t inter,    \
+                                 int nt) {                                                                   \
+        ROW_LOOP(n * inter * 8, n,                                                                           \
+                 gelu_tanh_mul_row_##SFX(off(gu, r * gu_stride, BF), off(out, r * inter, BF), inter));      \
+    }                                                                                                        \
+    /* each head of x [n, heads, d] (token and head strides) normalized in place, as rms_norm's rows */      \
+    void izh_rms_norm_heads_##SFX(void *x, int64_t tok_stride, int64_t head_stride, const void *w, int64_t n, \
+                                  int64_t heads, int64_t d, float eps, int nt) {                             \
+        ROW_LOOP(n * heads * d, n, {                                                                         \
+            for (int64_t hh = 0; hh < heads; hh++) {                                                         \
+                void *row = off(x, r * tok_stride + hh * head_stride, BF);                                   \
+                rms_norm_row_##SFX(row, w, row, d, eps);                                                     \
+            }                                                                                                \
+        });                                                                                                  \
     }                                                                                                        \
     void izh_rotary_##SFX(void *x, int64_t tok_stride, int64_t head_stride, const void *cs, int64_t n,      \
                           int64_t heads, int64_t d, int nt) {                                                \

@@ -546,8 +546,8 @@ int izh_q8_gemm_f32(const float *x, int64_t xs, const uint8_t *w, int64_t M, int
  * the matmuls above, any number of rows. The same calls as the Python modules in the same order, so the
  * result is bit-identical to theirs. Returns 0; attention's -1..-3; -4 out of memory; -5 M < 1; -6 a
  * matmul refused its shape. */
-static int stack_linear_f32(const int64_t *lin, const float *x, int64_t M, int64_t N, int64_t K, float *out,
-                            int nt) {
+int izh_stack_linear_f32(const int64_t *lin, const float *x, int64_t M, int64_t N, int64_t K, float *out,
+                         int nt) {
     if (lin[1] == STACK_GGUF) { /* the parts' matmuls into their columns, as GGUFBlocks.matmul makes them */
         const int64_t *parts = (const int64_t *)(intptr_t)lin[0];
         int64_t start = 0;
@@ -579,5 +579,5 @@ int izh_decode_stack_f32(const int64_t *layers, int64_t num_layers, int64_t M, i
                          int64_t num_blocks, int64_t block_size, int64_t kv_type, const int64_t *lora, int64_t lora_rank,
                          const int32_t *row_slots, const int32_t *slot_ranks, int nt) {
     if (M < 1) return -5;
-    IZH_DECODE_STACK_BODY(float, f32, stack_linear_f32)
+    IZH_DECODE_STACK_BODY(float, f32, izh_stack_linear_f32)
 }
