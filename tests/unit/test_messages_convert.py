@@ -238,21 +238,46 @@ def test_the_guard_bounds_messages_bodies_naming_their_fields() -> None:
         assert refused.value.param == param
 
 
-def test_a_system_turn_in_the_conversation_stays_where_it_stands() -> None:
+def _reminder(text: str) -> tuple[str, str]:
+    return ("text", f"<system-reminder>\n{text}\n</system-reminder>\n")
+
+
+def _parts(message: Any) -> Any:
+    content = message.content
+    return content if isinstance(content, str) else [(part.type, part.text) for part in content]
+
+
+def test_system_turns_in_the_conversation_join_the_user_turn_beside_them() -> None:
+    """Claude Code sends its environment as a system turn after the user's task: it becomes a reminder
+    before the task in that user message (a small model echoed it when it stood just before its reply);
+    one after an assistant turn joins the next user message, after the tool results; one with no user
+    message after it stays a system message."""
     body = _body(
         system="Be brief.",
         messages=[
             {"role": "user", "content": "Run it."},
             {"role": "system", "content": [{"type": "text", "text": "# Environment", "cache_control": {}}]},
+            {"role": "system", "content": "Second."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {}}]},
+            {"role": "system", "content": "Mode changed."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": "ok"},
+                    {"type": "text", "text": "Go on."},
+                ],
+            },
             {"role": "assistant", "content": "Done."},
             {"role": "system", "content": "Reminder."},
         ],
     )
     chat = chat_request(body, reasoning=False)
-    assert [(m.role, m.content) for m in chat.messages] == [
+    assert [(m.role, _parts(m)) for m in chat.messages] == [
         ("system", "Be brief."),
-        ("user", "Run it."),
-        ("system", "# Environment"),
+        ("user", [_reminder("# Environment"), _reminder("Second."), ("text", "Run it.")]),
+        ("assistant", ""),
+        ("tool", "ok"),
+        ("user", [_reminder("Mode changed."), ("text", "Go on.")]),
         ("assistant", "Done."),
         ("system", "Reminder."),
     ]

@@ -161,10 +161,10 @@ def _user_messages(message: MessageParam, param: str) -> list[ChatMessageParam]:
     return out
 
 
-def _system_message(message: MessageParam, param: str) -> ChatMessageParam:
-    """A system turn within the conversation (a string or text blocks)."""
+def _system_turn_text(message: MessageParam, param: str) -> str:
+    """A system turn within the conversation (a string or text blocks) as one text."""
     if isinstance(message.content, str):
-        return ChatMessageParam(role="system", content=message.content)
+        return message.content
     texts = []
     for index, value in enumerate(message.content):
         where = f"{param}.content.{index}"
@@ -172,7 +172,53 @@ def _system_message(message: MessageParam, param: str) -> ChatMessageParam:
         if block["type"] != "text":
             raise unsupported(f"{where}.type", f"system turns hold text blocks only, got {block['type']!r}")
         texts.append(text_of(block, where))
-    return ChatMessageParam(role="system", content="\n".join(texts))
+    return "\n".join(texts)
+
+
+def _with_reminders(message: ChatMessageParam, reminders: list[str]) -> ChatMessageParam:
+    """A user message with system turns' texts put before its own content, each as a <system-reminder>."""
+    parts = [
+        ContentPart(type="text", text=f"<system-reminder>\n{text}\n</system-reminder>\n")
+        for text in reminders
+    ]
+    content = message.content
+    own = [ContentPart(type="text", text=content)] if isinstance(content, str) else list(content or [])
+    return message.model_copy(update={"content": parts + own})
+
+
+def _fold_system_turns(messages: list[ChatMessageParam | str]) -> list[ChatMessageParam]:
+    """Chat messages with the conversation's system turns (the strings) joined to a user turn: the user
+    message just before one, else the next user message, each as a <system-reminder> before the user's
+    own text (how Claude Code itself sends its reminders); a system turn with no user message beside it
+    stays a system message. Chat templates mostly know one system message, at the start (Gemma's and
+    Mistral's refuse any other), and a small model reads a system turn just before its reply as text to
+    continue; a user message keeps the order and the prefix cache (earlier turns render the same)."""
+    out: list[ChatMessageParam] = []
+    pending: list[str] = []
+    index = 0
+    while index < len(messages):
+        item = messages[index]
+        if isinstance(item, str):
+            turns = []
+            while index < len(messages) and isinstance(messages[index], str):
+                turns.append(messages[index])
+                index += 1
+            texts = [text for text in turns if isinstance(text, str)]
+            if out and out[-1].role == "user" and not pending:
+                out[-1] = _with_reminders(out[-1], texts)
+            else:
+                pending += texts
+            continue
+        if pending and item.role == "user":
+            item = _with_reminders(item, pending)
+            pending = []
+        elif pending and item.role != "tool":
+            out += [ChatMessageParam(role="system", content=text) for text in pending]
+            pending = []
+        out.append(item)
+        index += 1
+    out += [ChatMessageParam(role="system", content=text) for text in pending]
+    return out
 
 
 def _thinking_text(block: dict[str, Any], where: str, open_signature: OpenSignature | None) -> str:
@@ -268,7 +314,7 @@ def chat_messages(
     conversion: Conversion | None = None,
 ) -> list[ChatMessageParam]:
     """The conversation as chat messages; `conversion` collects the thinking a context edit cleared."""
-    messages: list[ChatMessageParam] = []
+    messages: list[ChatMessageParam | str] = []
     system = system_text(body.system)
     if system is not None:
         messages.append(ChatMessageParam(role="system", content=system))
@@ -282,13 +328,13 @@ def chat_messages(
         if message.role == "user":
             messages.extend(_user_messages(message, param))
         elif message.role == "system":
-            messages.append(_system_message(message, param))
+            messages.append(_system_turn_text(message, param))
         else:
             chat, dropped = _assistant_message(message, param, open_signature, index >= keep_from)
             messages.append(chat)
             if dropped is not None and conversion is not None:
                 conversion.cleared_thinking.append(dropped)
-    return messages
+    return _fold_system_turns(messages)
 
 
 def check_thinking(body: CountTokensRequest | MessagesRequest, reasoning: bool) -> dict[str, Any] | None:

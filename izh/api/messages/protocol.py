@@ -20,8 +20,8 @@ class _Strict(BaseModel):
 
 class MessageParam(_Strict):
     role: Literal["user", "assistant", "system"]
-    """"system": a system turn within the conversation (Claude Code's environment notes), rendered as a
-    system message where it stands."""
+    """"system": a system turn within the conversation (Claude Code's environment notes), joined to the
+    user turn beside it as a <system-reminder> (convert._fold_system_turns)."""
     content: str | list[dict[str, Any]]
 
 
