@@ -249,9 +249,9 @@ def _parts(message: Any) -> Any:
 
 def test_system_turns_in_the_conversation_join_the_user_turn_beside_them() -> None:
     """Claude Code sends its environment as a system turn after the user's task: it becomes a reminder
-    before the task in that user message (a small model echoed it when it stood just before its reply);
-    one after an assistant turn joins the next user message, after the tool results; one with no user
-    message after it stays a system message."""
+    after the task in that user message (a small model echoed it when it stood as a system message just
+    before its reply); one after an assistant turn joins the next user message, before its text and
+    after the tool results; one with no user message beside it stays a system message."""
     body = _body(
         system="Be brief.",
         messages=[
@@ -274,7 +274,7 @@ def test_system_turns_in_the_conversation_join_the_user_turn_beside_them() -> No
     chat = chat_request(body, reasoning=False)
     assert [(m.role, _parts(m)) for m in chat.messages] == [
         ("system", "Be brief."),
-        ("user", [_reminder("# Environment"), _reminder("Second."), ("text", "Run it.")]),
+        ("user", [("text", "Run it."), _reminder("# Environment"), _reminder("Second.")]),
         ("assistant", ""),
         ("tool", "ok"),
         ("user", [_reminder("Mode changed."), ("text", "Go on.")]),

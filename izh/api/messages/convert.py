@@ -175,24 +175,26 @@ def _system_turn_text(message: MessageParam, param: str) -> str:
     return "\n".join(texts)
 
 
-def _with_reminders(message: ChatMessageParam, reminders: list[str]) -> ChatMessageParam:
-    """A user message with system turns' texts put before its own content, each as a <system-reminder>."""
+def _with_reminders(message: ChatMessageParam, reminders: list[str], *, after: bool) -> ChatMessageParam:
+    """A user message with system turns' texts after (or before) its own content, each as a
+    <system-reminder>."""
     parts = [
         ContentPart(type="text", text=f"<system-reminder>\n{text}\n</system-reminder>\n")
         for text in reminders
     ]
     content = message.content
     own = [ContentPart(type="text", text=content)] if isinstance(content, str) else list(content or [])
-    return message.model_copy(update={"content": parts + own})
+    return message.model_copy(update={"content": own + parts if after else parts + own})
 
 
 def _fold_system_turns(messages: list[ChatMessageParam | str]) -> list[ChatMessageParam]:
     """Chat messages with the conversation's system turns (the strings) joined to a user turn: the user
-    message just before one, else the next user message, each as a <system-reminder> before the user's
-    own text (how Claude Code itself sends its reminders); a system turn with no user message beside it
-    stays a system message. Chat templates mostly know one system message, at the start (Gemma's and
-    Mistral's refuse any other), and a small model reads a system turn just before its reply as text to
-    continue; a user message keeps the order and the prefix cache (earlier turns render the same)."""
+    message just before one (after its text, where the turn stood), else the next user message (before
+    its text), each as a <system-reminder> (how Claude Code itself sends its reminders); a system turn
+    with no user message beside it stays a system message. Chat templates mostly know one system
+    message, at the start (Gemma's and Mistral's refuse any other), and a small model reads a system
+    message just before its reply as text to continue; a user message keeps the order and the prefix
+    cache (earlier turns render the same)."""
     out: list[ChatMessageParam] = []
     pending: list[str] = []
     index = 0
@@ -205,12 +207,12 @@ def _fold_system_turns(messages: list[ChatMessageParam | str]) -> list[ChatMessa
                 index += 1
             texts = [text for text in turns if isinstance(text, str)]
             if out and out[-1].role == "user" and not pending:
-                out[-1] = _with_reminders(out[-1], texts)
+                out[-1] = _with_reminders(out[-1], texts, after=True)
             else:
                 pending += texts
             continue
         if pending and item.role == "user":
-            item = _with_reminders(item, pending)
+            item = _with_reminders(item, pending, after=False)
             pending = []
         elif pending and item.role != "tool":
             out += [ChatMessageParam(role="system", content=text) for text in pending]
