@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from izh.kernels.cpu.library import STATE, CpuLibrary, resolve
-from izh.kernels.cpu.ops import _ATTENTION_ERRORS
+from izh.kernels.cpu.ops import ATTENTION_ERRORS
 from izh.kernels.cpu.reference import rms_norm_ref
 
 __all__ = [
@@ -176,8 +176,8 @@ def gemma_decode_stack(
         torch.get_num_threads(),
     )
     if rc != 0:
-        if rc in _ATTENTION_ERRORS and rc not in (-4, -5):
-            raise IndexError(f"gemma_decode_stack: {_ATTENTION_ERRORS[rc]}")
+        if rc in ATTENTION_ERRORS and rc not in (-4, -5):
+            raise IndexError(f"gemma_decode_stack: {ATTENTION_ERRORS[rc]}")
         reasons = {-4: "out of memory", -5: "no rows", -6: "a matmul refused its shape", -7: "a bad KV group"}
         raise RuntimeError(f"gemma_decode_stack failed: {reasons.get(rc, f'code {rc}')}")
     return out

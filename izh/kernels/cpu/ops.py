@@ -165,7 +165,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return silu_mul_ref(gate_up)
 
 
-_ATTENTION_ERRORS = {
+ATTENTION_ERRORS = {
     -1: "slot_mapping points past the end of the cache",
     -2: "a seq_len is negative or longer than its block table covers",
     -3: "a block table entry is outside the cache",
@@ -363,7 +363,7 @@ def _paged_attention(
     else:
         rc = k.paged_attention(*common, row_seq.data_ptr(), block_tables.shape[0], *tail)
     if rc != 0:
-        raise IndexError(f"paged attention: {_ATTENTION_ERRORS.get(rc, f'error {rc}')}")
+        raise IndexError(f"paged attention: {ATTENTION_ERRORS.get(rc, f'error {rc}')}")
     return out
 
 
@@ -522,8 +522,8 @@ def decode_stack(
         torch.get_num_threads(),
     )
     if rc != 0:
-        if rc in _ATTENTION_ERRORS and rc not in (-4, -5):
-            raise IndexError(f"decode_stack: {_ATTENTION_ERRORS[rc]}")
+        if rc in ATTENTION_ERRORS and rc not in (-4, -5):
+            raise IndexError(f"decode_stack: {ATTENTION_ERRORS[rc]}")
         reasons = {-4: "out of memory", -5: "too many rows", -6: "a matmul refused its shape"}
         raise RuntimeError(f"decode_stack failed: {reasons.get(rc, f'code {rc}')}")
     return out
