@@ -9,7 +9,9 @@ sequence's blocks, copied into every other stream's blocks (the same context for
 every stream's blocks anyway); then --steps decode steps of all --streams at once through the model (the
 fused C decode stack) and the LM head, each timed. The formats are alternated over --rounds; the result is
 each format's median step time and its output tokens per second (streams / step), and the ratio to the
-first format. Writes one JSON under bench_results/.
+first format. Per format also the decode attention kernel alone (`paged_decode_attention` over one layer's
+cache, the same streams and context, times the model's layers): the part of a step the format can change.
+Writes one JSON under bench_results/.
 """
 
 from __future__ import annotations
@@ -55,6 +57,34 @@ def decode_steps(llm: LLM, streams: int, context: int, steps: int) -> list[float
     return times
 
 
+def attention_steps(llm: LLM, streams: int, context: int, steps: int) -> list[float]:
+    """Seconds of the decode attention alone of a step like `decode_steps`' (one layer's cache, random
+    q/k/v of the model's shapes, timed once per layer count), `steps` times."""
+    runner = llm.engine_core.runner
+    mc, bs = runner.model_config, runner.block_size
+    cache = runner.kv_caches[0]
+    per_seq = -(-(context + steps + 1) // bs)
+    tables = torch.tensor(
+        [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(streams)], dtype=torch.int32
+    )
+    heads, kv_heads, d = mc.num_attention_heads, runner.num_local_kv_heads, mc.head_dim
+    dtype = runner.dtype
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    with torch.inference_mode():
+        for t in range(steps):
+            q = torch.randn(streams, heads, d, generator=gen).to(dtype)
+            k = torch.randn(streams, kv_heads, d, generator=gen).to(dtype)
+            v = torch.randn(streams, kv_heads, d, generator=gen).to(dtype)
+            slots = tables[:, (context + t) // bs].long() * bs + (context + t) % bs
+            lens = torch.full((streams,), context + t + 1, dtype=torch.int32)
+            start = time.perf_counter()
+            for _ in range(mc.num_hidden_layers):
+                cpu_ops.paged_decode_attention(q, k, v, cache, slots, tables, lens, d**-0.5)
+            times.append(time.perf_counter() - start)
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -68,6 +98,7 @@ def main() -> None:
     args = ap.parse_args()
     formats = args.kv.split(",")
     times: dict[str, list[float]] = {kv: [] for kv in formats}
+    attention: dict[str, list[float]] = {kv: [] for kv in formats}
     info: dict[str, dict[str, object]] = {}
     for _ in range(args.rounds):
         for kv in formats:
@@ -90,7 +121,13 @@ def main() -> None:
             }
             step_s = decode_steps(llm, args.streams, args.context, args.steps + 1)[1:]  # the first warms up
             times[kv] += step_s
-            print(f"{kv}: median step {statistics.median(step_s) * 1e3:.1f} ms", flush=True)
+            attn_s = attention_steps(llm, args.streams, args.context, args.steps + 1)[1:]
+            attention[kv] += attn_s
+            print(
+                f"{kv}: median step {statistics.median(step_s) * 1e3:.1f} ms, "
+                f"attention alone {statistics.median(attn_s) * 1e3:.1f} ms",
+                flush=True,
+            )
             del llm, runner
             gc.collect()
     base = statistics.median(times[formats[0]])
@@ -103,6 +140,9 @@ def main() -> None:
             "output_tok_s": args.streams / median,
             "speedup_vs_" + formats[0]: base / median,
             "step_s": times[kv],
+            "median_attention_s": statistics.median(attention[kv]),
+            "attention_share_of_step": statistics.median(attention[kv]) / median,
+            "attention_s": attention[kv],
         }
         print(f"{kv}: {args.streams / median:.1f} tok/s, {base / median:.2f}x {formats[0]}")
     write_record(
