@@ -2,7 +2,7 @@
 and during its prefill, on izh serve and (optionally) llama.cpp's llama-server, one after the other.
 
     flock /tmp/izh-bench.lock nice -n -5 python -m benchmarks.long_context \\
-        --gguf /work/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --prompt-len 32768 --streams 4 \\
+        --gguf /work/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --prompt-len 32000 --context 32768 --streams 4 \\
         --izh-arg=--kv-cache-dtype --izh-arg=q8_0 --llama-server ~/.cache/izh-peers/llama-server \\
         --llama-arg=-ctk --llama-arg=q8_0 --llama-arg=-ctv --llama-arg=q8_0
 
@@ -10,7 +10,9 @@ Per server: --streams streaming completions (short prompts, --stream-tokens toke
 after --warm-s seconds the long prompt (--prompt-len token ids, 1 output token) is sent. Reported: the long
 prompt's TTFT; the streams' inter-token gaps (p50, p99) before it was sent ("alone") and between its send
 and its first token ("during"). A server that is still prefilling when --timeout-s passes is reported as
-timed out. Writes one JSON under bench_results/.
+timed out. --context is each server's context (izh's --max-model-len; llama-server's per-slot share): the
+prompt plus 1,024 by default, at most the model's (Qwen2.5's 32,768: a 32,000-token prompt fits it).
+Writes one JSON under bench_results/.
 """
 
 from __future__ import annotations
@@ -117,11 +119,14 @@ def main() -> None:
     ap.add_argument("--izh-arg", action="append", default=[], help="extra `izh serve` argument")
     ap.add_argument("--llama-server", default=None, help="also run llama-server (its path)")
     ap.add_argument("--llama-arg", action="append", default=[], help="extra llama-server argument")
+    ap.add_argument("--context", type=int, default=None, help="max model length (default: prompt + 1024)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     izh = shutil.which("izh") or str(Path(sys.executable).with_name("izh"))
     threads = str(os.cpu_count() or 1)
-    context = args.prompt_len + 1024
+    context = args.context or args.prompt_len + 1024
+    if args.prompt_len >= context:
+        raise SystemExit(f"--prompt-len {args.prompt_len} leaves no room in --context {context}")
     stream_cap = min(args.stream_tokens, 900)
     args.stream_tokens = stream_cap
     servers = []

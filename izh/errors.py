@@ -129,6 +129,13 @@ class UnsupportedModel(ModelLoadError):
     default_code = "unsupported_model"
 
 
+class ModelSettingsError(ModelLoadError):
+    """The model reads fine, but a setting does not fit it or this machine (a max_model_len past its
+    context, a dtype or KV cache format the device cannot run); the message names the setting."""
+
+    default_code = "model_settings_error"
+
+
 class ModelDownloadError(ModelLoadError):
     """Fetching a model failed: the network, the source (status, checksum) or the free disk space."""
 
@@ -138,7 +145,7 @@ class ModelDownloadError(ModelLoadError):
 def model_load_error(message: str, code: str | None) -> ModelLoadError:
     """The ModelLoadError (sub)class whose code is `code`: a load error that crossed the process
     boundary as text keeps its kind (and so its CLI hint)."""
-    for cls in (UnsupportedModel, ModelDownloadError):
+    for cls in (UnsupportedModel, ModelSettingsError, ModelDownloadError):
         if code == cls.default_code:
             return cls(message)
     return ModelLoadError(message, code=code)

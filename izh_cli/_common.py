@@ -29,7 +29,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeVar
 
 import typer
 
-from izh.errors import IzhError, ModelDownloadError, ModelLoadError, ModelNotFound, UnsupportedModel
+from izh.errors import (
+    IzhError,
+    ModelDownloadError,
+    ModelLoadError,
+    ModelNotFound,
+    ModelSettingsError,
+    UnsupportedModel,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -91,6 +98,8 @@ def hint_for(exc: IzhError) -> str | None:
         return "`izh pull smollm2` fetches the default model; or pass a .gguf file or a Hugging Face folder."
     if isinstance(exc, UnsupportedModel):
         return "izh does not serve this model (the message says what it serves); pick a model of a supported family."
+    if isinstance(exc, ModelSettingsError):
+        return "change the setting the message names (`izh config show` prints the settings in effect)."
     if isinstance(exc, ModelDownloadError):
         return "check the network (proxy, HF_ENDPOINT) and the free disk space, then retry."
     if isinstance(exc, ModelLoadError):

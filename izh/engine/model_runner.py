@@ -29,7 +29,7 @@ from izh.engine.sampler import (
 from izh.engine.scheduler import ScheduledRequest, SchedulerOutput
 from izh.engine.spec_decode import verify_greedy, verify_random
 from izh.engine_messages import ImageInput, TokenLogprobs
-from izh.errors import ModelLoadError
+from izh.errors import ModelLoadError, ModelSettingsError
 from izh.kernels import cpu as cpu_ops
 from izh.kernels.kv_cache_dtype import KVCacheFormat, kv_cache_format
 from izh.model.attention import AttentionMetadata, get_attention_backend
@@ -65,7 +65,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError("device 'cuda' was asked for but CUDA is not available; use --device cpu")
+        raise ModelSettingsError("device 'cuda' was asked for but CUDA is not available; use --device cpu")
     return torch.device(name)
 
 
@@ -79,7 +79,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise ModelLoadError(f"unknown dtype {name!r}; supported: auto, {', '.join(_DTYPES)}") from None
+        raise ModelSettingsError(f"unknown dtype {name!r}; supported: auto, {', '.join(_DTYPES)}") from None
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -277,14 +277,14 @@ class ModelRunner:
         which then run base-only steps (a step with adapter tokens runs eagerly)."""
         if lora_enabled(config):
             if self.is_encoder:
-                raise ModelLoadError("LoRA adapters are served on decoder (generative) models only")
+                raise ModelSettingsError("LoRA adapters are served on decoder (generative) models only")
             if self.model_config.vision is not None:
-                raise ModelLoadError(
+                raise ModelSettingsError(
                     "LoRA adapters are served on text-only decoders; this vision-language model takes none "
                     "(serve it without --lora-modules / engine.enable_lora)"
                 )
             if self.tp_runtime is not None:
-                raise ModelLoadError(
+                raise ModelSettingsError(
                     "LoRA adapters are not split across tensor-parallel ranks: serve adapters with "
                     "--tensor-parallel-size 1"
                 )
@@ -366,7 +366,7 @@ class ModelRunner:
                 return min(model_len, pooling.max_seq_length)
             return model_len
         if config.max_model_len > model_len:
-            raise ModelLoadError(
+            raise ModelSettingsError(
                 f"max_model_len {config.max_model_len} is longer than the model's context "
                 f"({model_len} tokens); lower --max-model-len"
             )
@@ -441,20 +441,20 @@ class ModelRunner:
         return self.kv_layout.windows
 
     def _resolve_kv_format(self, name: str) -> KVCacheFormat:
-        """`engine.kv_cache_dtype` as a format this device and model run; ModelLoadError names the choices."""
+        """`engine.kv_cache_dtype` as a format this device and model run; ModelSettingsError names the choices."""
         try:
             fmt = kv_cache_format(name, self.dtype)
         except ValueError as exc:
-            raise ModelLoadError(f"engine.kv_cache_dtype: {exc}") from None
+            raise ModelSettingsError(f"engine.kv_cache_dtype: {exc}") from None
         problem = None if self.is_encoder else fmt.check_head_dim(self.model_config.head_dim)
         if problem is not None:
-            raise ModelLoadError(f"engine.kv_cache_dtype = {name}: {problem}; choose another format")
+            raise ModelSettingsError(f"engine.kv_cache_dtype = {name}: {problem}; choose another format")
         if (
             self.device.type == "cuda"
             and self.attention_backend == "triton_paged"
             and fmt.storage != self.dtype
         ):
-            raise ModelLoadError(
+            raise ModelSettingsError(
                 f"engine.kv_cache_dtype = {name}: izh's Triton attention on CUDA reads the model's dtype only; "
                 "use --kv-cache-dtype auto (or --attention-backend torch_paged, which converts in torch)"
             )
@@ -498,7 +498,7 @@ class ModelRunner:
         if self.is_encoder:
             return useful  # bookkeeping only: no KV tensors behind them
         if num_blocks < blocks_per_seq:
-            raise ModelLoadError(
+            raise ModelSettingsError(
                 f"the KV cache budget ({budget} bytes = {num_blocks} blocks of {self.block_size} tokens) "
                 f"cannot hold one sequence of max_model_len {self.max_model_len} tokens "
                 f"({blocks_per_seq} blocks, {blocks_per_seq * per_block} bytes); raise "

@@ -248,16 +248,31 @@ def test_decorator_requires_the_overrides_parameter() -> None:
 
 
 def test_load_error_hints_fit_the_error() -> None:
-    from izh.errors import ModelDownloadError, ModelLoadError, UnsupportedModel, model_load_error
+    from izh.errors import (
+        ModelDownloadError,
+        ModelLoadError,
+        ModelSettingsError,
+        UnsupportedModel,
+        model_load_error,
+    )
     from izh_cli._common import hint_for
 
     support = hint_for(UnsupportedModel("unsupported model architecture 'phi2' (supported: ...)"))
+    setting = hint_for(
+        ModelSettingsError("max_model_len 40000 is longer than the model's context (32768 tokens)")
+    )
+    assert setting is not None and "setting" in setting and "download" not in setting
     download = hint_for(ModelDownloadError("could not download x from PyPI"))
     parse = hint_for(ModelLoadError("x.gguf is not a GGUF file"))
     assert support is not None and "does not serve" in support and "network" not in support
     assert download is not None and "network" in download
     assert parse is not None and "network" not in parse and "download it again" in parse
     # The engine core sends a load error as text and code; the frontend raises the same kind again.
-    for error in (UnsupportedModel("a"), ModelDownloadError("b"), ModelLoadError("c")):
+    for error in (
+        UnsupportedModel("a"),
+        ModelSettingsError("s"),
+        ModelDownloadError("b"),
+        ModelLoadError("c"),
+    ):
         again = model_load_error(error.message, error.code)
         assert type(again) is type(error) and again.code == error.code
