@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -48,14 +49,14 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 async def _stream(
-    client: httpx.AsyncClient, url: str, alias: str, prompt: list[int], tokens: int
+    client: httpx.AsyncClient, url: str, alias: str, prompt: list[int], tokens: int, times: list[float]
 ) -> list[float]:
-    """Arrival times of each streamed chunk of one completion."""
+    """Appends the arrival time of each streamed chunk of one completion to `times` (kept when the task
+    is cancelled), and returns it."""
     body = {
         "model": alias, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
         "ignore_eos": True,
     }  # fmt: skip
-    times = []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
         reply.raise_for_status()
         async for line in reply.aiter_lines():
@@ -70,23 +71,24 @@ async def _scenario(url: str, alias: str, args: argparse.Namespace) -> dict[str,
     long_prompt = [rng.randrange(vocab_lo, vocab_hi) for _ in range(args.prompt_len)]
     shorts = [[rng.randrange(vocab_lo, vocab_hi) for _ in range(32)] for _ in range(args.streams)]
     async with httpx.AsyncClient(timeout=args.timeout_s + 60) as client:
-        streams = [asyncio.create_task(_stream(client, url, alias, p, args.stream_tokens)) for p in shorts]
+        arrivals: list[list[float]] = [[] for _ in shorts]
+        streams = [
+            asyncio.create_task(_stream(client, url, alias, p, args.stream_tokens, times))
+            for p, times in zip(shorts, arrivals, strict=True)
+        ]
         await asyncio.sleep(args.warm_s)
         sent = time.monotonic()
         try:
-            first = await asyncio.wait_for(_stream(client, url, alias, long_prompt, 1), args.timeout_s)
+            first = await asyncio.wait_for(_stream(client, url, alias, long_prompt, 1, []), args.timeout_s)
             ttft = first[0] - sent if first else None
         except TimeoutError:
             first, ttft = [], None
         done = time.monotonic()
         for task in streams:
             task.cancel()
-        arrivals = []
         for task in streams:
-            try:
-                arrivals.append(await task)
-            except (asyncio.CancelledError, httpx.HTTPError):
-                arrivals.append([])
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await task  # its arrivals so far are kept in `arrivals`
     alone, during = [], []
     for times in arrivals:
         for a, b in itertools.pairwise(times):
