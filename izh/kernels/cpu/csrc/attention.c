@@ -2,6 +2,9 @@
  * any of the kv types (common.h: float32, bf16, float16, float8 e4m3 / e5m2, q8_0).
  * See common.h for the conventions, izh/kernels/cpu/ops.py for the contract. */
 #include "common.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 /* Work (sum of seq_len * num_heads * head_dim) below which attention stays on the calling thread: about
  * 100 us of single-thread work; below that a second thread buys little and costs a wake-up. */
@@ -198,12 +201,27 @@ static __attribute__((noinline)) void kv_tile(float *restrict tile, int64_t ts, 
         case KV_F32:
             memcpy(t, r, sizeof(float) * (size_t)D);
             break;
-        case KV_BF16:
-            for (int64_t j = 0; j < D; j++) t[j] = bf2f(((const uint16_t *)r)[j]);
+        case KV_BF16: {
+            int64_t j = 0;
+#if defined(__AVX2__)
+            /* 8 at a time: widen, shift into the high half (exact, as bf2f) */
+            for (; j + 8 <= D; j += 8) {
+                const __m128i h = _mm_loadu_si128((const __m128i *)(r + 2 * j));
+                _mm256_storeu_ps(t + j, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+            }
+#endif
+            for (; j < D; j++) t[j] = bf2f(((const uint16_t *)r)[j]);
             break;
-        case KV_F16:
-            for (int64_t j = 0; j < D; j++) t[j] = h2f(((const uint16_t *)r)[j]);
+        }
+        case KV_F16: {
+            int64_t j = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+            for (; j + 8 <= D; j += 8) /* vcvtph2ps: exact, as h2f */
+                _mm256_storeu_ps(t + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r + 2 * j))));
+#endif
+            for (; j < D; j++) t[j] = h2f(((const uint16_t *)r)[j]);
             break;
+        }
         case KV_E4M3:
             for (int64_t j = 0; j < D; j++) t[j] = e4m3_to_f(r[j]);
             break;
@@ -216,7 +234,17 @@ static __attribute__((noinline)) void kv_tile(float *restrict tile, int64_t ts, 
                 uint16_t h;
                 memcpy(&h, blk, sizeof h);
                 const float scale = h2f(h);
-                for (int j = 0; j < Q8_0_BLOCK; j++) t[b * Q8_0_BLOCK + j] = scale * (float)(int8_t)blk[2 + j];
+                float *tb = t + b * Q8_0_BLOCK;
+#if defined(__AVX2__)
+                /* the same one rounding per value as the loop below: scale * (float)q */
+                const __m256 vs = _mm256_set1_ps(scale);
+                for (int j = 0; j < Q8_0_BLOCK; j += 8) {
+                    const __m128i q = _mm_loadl_epi64((const __m128i *)(blk + 2 + j));
+                    _mm256_storeu_ps(tb + j, _mm256_mul_ps(vs, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+                }
+#else
+                for (int j = 0; j < Q8_0_BLOCK; j++) tb[j] = scale * (float)(int8_t)blk[2 + j];
+#endif
             }
             break;
         }
@@ -451,6 +479,21 @@ INLINE __m256 attn_hsum8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
+/* oh[c] = inv * sum over positions p of wh[p] * V[p][c0 + c], for nc 8-float chunks (nc <= 8). */
+INLINE void f32_values_avx2(float *oh, const float *vc, const int32_t *blocks, int64_t S, int64_t L,
+                            int64_t block_size, int64_t kvh, int64_t g, int64_t D, const float *wh, float inv,
+                            int64_t c0, int64_t nc) {
+    __m256 acc[8];
+    for (int64_t c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < L; p++) {
+        const float *row = (const float *)kv_row(vc, blocks, S + p, block_size, kvh, g, D * 4) + 8 * c0;
+        const __m256 w = _mm256_set1_ps(wh[p]);
+        for (int64_t c = 0; c < nc; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * c), acc[c]);
+    }
+    const __m256 vi = _mm256_set1_ps(inv);
+    for (int64_t c = 0; c < nc; c++) _mm256_storeu_ps(oh + 8 * c, _mm256_mul_ps(acc[c], vi));
+}
+
 static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int64_t g, const float *q, int64_t q_ts,
                                                                  int64_t q_hs, const float *kc, const float *vc,
                                                                  int64_t block_size, int64_t kvh,
@@ -499,22 +542,28 @@ static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int6
         const float *wh = sc + hh * L;
         float *oh = out + (i * H + g * group + hh) * D;
         for (int64_t c0 = 0; c0 < NC; c0 += 8) {
-            const int64_t nc = NC - c0 < 8 ? NC - c0 : 8;
-            __m256 acc[8];
-            for (int64_t c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
-            for (int64_t p = 0; p < L; p++) {
-                const float *row = (const float *)kv_row(vc, blocks, S + p, block_size, kvh, g, D * 4) + 8 * c0;
-                const __m256 w = _mm256_set1_ps(wh[p]);
-                for (int64_t c = 0; c < nc; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * c), acc[c]);
-            }
-            const __m256 vi = _mm256_set1_ps(inv[hh]);
-            for (int64_t c = 0; c < nc; c++) _mm256_storeu_ps(oh + 8 * (c0 + c), _mm256_mul_ps(acc[c], vi));
+            /* 8 chunks held in registers; a variable count would put them in memory */
+            if (NC - c0 >= 8)
+                f32_values_avx2(oh + 8 * c0, vc, blocks, S, L, block_size, kvh, g, D, wh, inv[hh], c0, 8);
+            else
+                f32_values_avx2(oh + 8 * c0, vc, blocks, S, L, block_size, kvh, g, D, wh, inv[hh], c0, NC - c0);
         }
     }
 }
 #define ATTN_AVX2_ITEM(D)                                                                                    \
     attn_item_f32_avx2(i, g, (const float *)q, q_ts, q_hs, (const float *)kc, (const float *)vc, block_size, kvh, \
                        blocks, S, L, (float *)out, H, D, scale, softcap, buf);
+
+/* acc[c] += sum over the tile's m rows o of w[o] * tile[o][c], for the nc 8-float chunks c (nc <= 8). */
+INLINE void conv_values_avx2(float *ah, const float *tile, const float *wh, int64_t m, int64_t D, int64_t nc) {
+    __m256 a[8];
+    for (int64_t c = 0; c < nc; c++) a[c] = _mm256_loadu_ps(ah + 8 * c);
+    for (int64_t o = 0; o < m; o++) {
+        const __m256 w = _mm256_set1_ps(wh[o]);
+        for (int64_t c = 0; c < nc; c++) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(tile + o * D + 8 * c), a[c]);
+    }
+    for (int64_t c = 0; c < nc; c++) _mm256_storeu_ps(ah + 8 * c, a[c]);
+}
 
 /* float32 q against a cache of another kv type (rows of rb bytes) on AVX2: each 8 rows converted once
  * into an 8 x D float32 tile (kv_tile) and used by every query head of the group; scores as
@@ -560,23 +609,25 @@ static FAST_FP __attribute__((noinline)) void attn_item_conv_avx2(int64_t i, int
                         const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
                         for (int o = 0; o < 8; o++) a[o] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(tile + o * D + 8 * c), a[o]);
                     }
-                    float t[8];
-                    _mm256_storeu_ps(t, _mm256_mul_ps(attn_hsum8(a), _mm256_set1_ps(scale)));
-                    for (int64_t o = 0; o < m; o++) sc[hh * L + p0 + o] = t[o];
+                    const __m256 s = _mm256_mul_ps(attn_hsum8(a), _mm256_set1_ps(scale));
+                    if (m == 8) { /* not through a copy of variable length: gcc makes that a slow rep movsq */
+                        _mm256_storeu_ps(sc + hh * L + p0, s);
+                    } else {
+                        float t[8];
+                        _mm256_storeu_ps(t, s);
+                        for (int64_t o = 0; o < m; o++) sc[hh * L + p0 + o] = t[o];
+                    }
                     continue;
                 }
                 const float *wh = sc + hh * L + p0;
                 float *ah = acc + hh * D;
                 for (int64_t c0 = 0; c0 < NC; c0 += 8) {
-                    const int64_t nc = NC - c0 < 8 ? NC - c0 : 8;
-                    __m256 a[8];
-                    for (int64_t c = 0; c < nc; c++) a[c] = _mm256_loadu_ps(ah + 8 * (c0 + c));
-                    for (int64_t o = 0; o < m; o++) {
-                        const __m256 w = _mm256_set1_ps(wh[o]);
-                        for (int64_t c = 0; c < nc; c++)
-                            a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(tile + o * D + 8 * (c0 + c)), a[c]);
-                    }
-                    for (int64_t c = 0; c < nc; c++) _mm256_storeu_ps(ah + 8 * (c0 + c), a[c]);
+                    /* 8 chunks held in registers; a variable count would put them in memory (and copy them
+                     * there with rep movsq) */
+                    if (NC - c0 >= 8)
+                        conv_values_avx2(ah + 8 * c0, tile + 8 * c0, wh, m, D, 8);
+                    else
+                        conv_values_avx2(ah + 8 * c0, tile + 8 * c0, wh, m, D, NC - c0);
                 }
             }
         }
