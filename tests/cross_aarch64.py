@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -53,3 +54,18 @@ def harness_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
     env.update(OMP_DYNAMIC="false", OMP_WAIT_POLICY="passive")
     return env
+
+
+def build_harness(
+    cc: str, flags: list[str], harness: Path, fast: list[str], out: Path
+) -> subprocess.Popen[str]:
+    """Starts building the C program `harness` into `out` with the library's flags and `flags`: linked with the
+    csrc files `fast` alone first (-ffunction-sections -Wl,--gc-sections drops what the harness does not
+    reach), with every csrc file when that does not link. Its output is the build log."""
+    base = [cc, *CFLAGS, *flags, f"-I{B.CSRC}", "-o", str(out), str(harness)]
+    quick = shlex.join(
+        [*base, "-ffunction-sections", "-Wl,--gc-sections", *(str(B.CSRC / f) for f in fast), "-lm"]
+    )
+    slow = shlex.join([*base, *(str(f) for f in B.source_files()), "-lm"])
+    script = f"{quick} 2>/dev/null || {slow}"
+    return subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

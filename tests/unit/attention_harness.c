@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "harness.h" /* rng, uniform, fnv1a */
+
 #include "common.h" /* the prototypes of izh_paged_attention_* and the KV_* codes */
 
 #define H 4          /* query heads */
@@ -41,26 +43,6 @@
 #define TAIL 64      /* output elements past n * H * d that must stay untouched */
 
 static const char *const KV_NAMES[] = {"f32", "bf16", "f16", "e4m3", "e5m2", "q8_0"};
-
-static uint64_t rng_state;
-
-static uint64_t rng(void) { /* splitmix64 */
-    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-static float uniform(float lo, float hi) { /* 24 random bits: exact in float, same everywhere */
-    return lo + (hi - lo) * ((float)(rng() >> 40) * (1.0f / 16777216.0f));
-}
-
-static uint64_t fnv1a(const void *p, size_t n) {
-    const uint8_t *b = p;
-    uint64_t h = 0xCBF29CE484222325ull;
-    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001B3ull;
-    return h;
-}
 
 static void put(void *p, int64_t i, float f, int bf) {
     if (bf) { /* truncation: any bf16 will do */

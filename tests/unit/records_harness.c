@@ -16,23 +16,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "harness.h" /* rng, uniform, fnv1a */
+
 int izh_q4_gemm_f32(const float *x, int64_t xs, const uint8_t *w, int64_t M, int64_t N, int64_t K, float *out,
                     int64_t os, int nt);
 int izh_q8_gemm_f32(const float *x, int64_t xs, const uint8_t *w, int64_t M, int64_t N, int64_t K, float *out,
                     int64_t os, int nt);
-
-static uint64_t rng_state;
-
-static uint64_t rng(void) { /* splitmix64 */
-    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-static float uniform(float lo, float hi) { /* 24 random bits: exact in float, same everywhere */
-    return lo + (hi - lo) * ((float)(rng() >> 40) * (1.0f / 16777216.0f));
-}
 
 static void put_bf16(uint8_t *p, float f) { /* truncation: any bf16 will do */
     uint32_t u;
@@ -95,13 +84,6 @@ static float *make_x(int rows, int K) {
         }
     }
     return x;
-}
-
-static uint64_t fnv1a(const void *p, size_t n) {
-    const uint8_t *b = p;
-    uint64_t h = 0xCBF29CE484222325ull;
-    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001B3ull;
-    return h;
 }
 
 int main(int argc, char **argv) {

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -47,7 +46,7 @@ import pytest
 
 from izh.kernels.cpu import compiler as B
 from izh.kernels.cpu import variants as V
-from tests.cross_aarch64 import CFLAGS, CROSS_CC, QEMU, SKIPS, cross_static, harness_env, sysroot
+from tests.cross_aarch64 import CROSS_CC, QEMU, SKIPS, build_harness, cross_static, harness_env, sysroot
 
 HARNESS = Path(__file__).with_name("attention_harness.c")
 
@@ -67,17 +66,6 @@ LINE = re.compile(
 ITEMS = ("attn_item_f32", "attn_item_bf16", "attn_item_conv_f32", "attn_item_conv_bf16")
 
 Hashes = dict[Key, tuple[str, str]]  # key: (output hash, cache hash)
-
-
-def _build(cc: str, flags: list[str], out: Path) -> subprocess.Popen[str]:
-    """Starts the build of the harness; the fast link first, every source if that fails (see the module doc)."""
-    fast = [str(B.CSRC / "attention.c")]
-    full = [str(p) for p in B.source_files()]
-    base = [cc, *CFLAGS, *flags, f"-I{B.CSRC}", "-o", str(out), str(HARNESS)]
-    quick = shlex.join([*base, "-ffunction-sections", "-Wl,--gc-sections", *fast, "-lm"])
-    slow = shlex.join([*base, *full, "-lm"])
-    script = f"{quick} 2>/dev/null || {slow}"
-    return subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _finish(proc: subprocess.Popen[str], what: str, timeout: float) -> tuple[str, str]:
@@ -114,7 +102,10 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     for name in ("avx2", "avx512"):
         if not V.missing_flags(name):
             builds[name] = (B.CC, list(V.get_variant(name, "x86_64").cflags))
-    procs = {name: _build(cc, flags, tmp / f"harness-{name}") for name, (cc, flags) in builds.items()}
+    procs = {
+        name: build_harness(cc, flags, HARNESS, ["attention.c"], tmp / f"harness-{name}")
+        for name, (cc, flags) in builds.items()
+    }
     for name, proc in procs.items():
         log, _ = _finish(proc, f"the {name} build", 600)
         assert proc.returncode == 0, f"{name} build failed:\n{log[-3000:]}"

@@ -15,7 +15,6 @@ an x86-64 host."""
 from __future__ import annotations
 
 import re
-import shlex
 import shutil
 import subprocess
 from collections import defaultdict
@@ -25,7 +24,7 @@ import pytest
 
 from izh.kernels.cpu import compiler as B
 from izh.kernels.cpu import variants as V
-from tests.cross_aarch64 import CFLAGS, CROSS_CC, QEMU, SKIPS, cross_static, harness_env, sysroot
+from tests.cross_aarch64 import CROSS_CC, QEMU, SKIPS, build_harness, cross_static, harness_env, sysroot
 
 HARNESS = Path(__file__).with_name("records_harness.c")
 
@@ -33,17 +32,6 @@ pytestmark = SKIPS
 
 ROWS = sum((1, 2, 3, 5, 9, 17)) * 3 * 3 * 2 * 2  # row hashes: sum(M) x 3 N x 3 K x 2 kinds x 2 teams
 LINE = re.compile(r"^(q[48]) K=(\d+) N=(\d+) M=(\d+) nt=(\d) row=(\d+) ([0-9a-f]{16})$")
-
-
-def _build(cc: str, flags: list[str], out: Path) -> subprocess.Popen[str]:
-    """Starts the build of the harness; the fast link first, every source if that fails (see the module doc)."""
-    fast = [str(B.CSRC / "records_f32.c")]
-    full = [str(p) for p in B.source_files()]
-    base = [cc, *CFLAGS, *flags, f"-I{B.CSRC}", "-o", str(out), str(HARNESS)]
-    quick = shlex.join([*base, "-ffunction-sections", "-Wl,--gc-sections", *fast, "-lm"])
-    slow = shlex.join([*base, *full, "-lm"])
-    script = f"{quick} 2>/dev/null || {slow}"
-    return subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +43,10 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     builds["generic"] = (B.CC, list(V.get_variant("generic", "x86_64").cflags))
     if not V.missing_flags("avx2"):
         builds["avx2"] = (B.CC, list(V.get_variant("avx2", "x86_64").cflags))
-    procs = {name: _build(cc, flags, tmp / f"harness-{name}") for name, (cc, flags) in builds.items()}
+    procs = {
+        name: build_harness(cc, flags, HARNESS, ["records_f32.c"], tmp / f"harness-{name}")
+        for name, (cc, flags) in builds.items()
+    }
     for name, proc in procs.items():
         log, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"{name} build failed:\n{log[-3000:]}"
