@@ -29,12 +29,17 @@ from izh.kernels import cpu as cpu_ops
 from izh.model.attention import AttentionMetadata
 
 
+def stream_tables(streams: int, context: int, steps: int, block_size: int) -> list[list[int]]:
+    """Each stream's block table: its own consecutive blocks, enough for `context` + `steps` + 1 tokens."""
+    per_seq = -(-(context + steps + 1) // block_size)
+    return [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(streams)]
+
+
 def decode_steps(llm: LLM, streams: int, context: int, steps: int) -> list[float]:
     """Seconds of each of `steps` decode steps of `streams` sequences at `context` tokens and more."""
     runner = llm.engine_core.runner
     model, bs = runner.model, runner.block_size
-    per_seq = -(-(context + steps + 1) // bs)
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(streams)]
+    tables = stream_tables(streams, context, steps, bs)
     prompt = torch.tensor(make_prompts(1, context, runner.vocab_size, seed=0)[0])
     with torch.inference_mode():
         meta = AttentionMetadata.from_block_tables([context], [context], [tables[0]], bs)
@@ -63,12 +68,8 @@ def attention_steps(llm: LLM, streams: int, context: int, steps: int) -> list[fl
     runner = llm.engine_core.runner
     mc, bs = runner.model_config, runner.block_size
     cache = runner.kv_caches[0]
-    per_seq = -(-(context + steps + 1) // bs)
-    tables = torch.tensor(
-        [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(streams)], dtype=torch.int32
-    )
-    heads, kv_heads, d = mc.num_attention_heads, runner.num_local_kv_heads, mc.head_dim
-    dtype = runner.dtype
+    tables = torch.tensor(stream_tables(streams, context, steps, bs), dtype=torch.int32)
+    heads, kv_heads, d, dtype = mc.num_attention_heads, runner.num_local_kv_heads, mc.head_dim, runner.dtype
     gen = torch.Generator().manual_seed(0)
     times = []
     with torch.inference_mode():
