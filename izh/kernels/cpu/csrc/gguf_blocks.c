@@ -408,6 +408,157 @@ INLINE __m256i gq_reduce8(const __m256i *v) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+/* Slice b (`slice` bytes) of the next 8 weight rows (contiguous: 8 * row_bytes bytes), prefetched while block
+ * b of the current 8 is used. The 8 rows' blocks are read at 8 strided places, which the hardware
+ * prefetchers pick up too late: at one activation row the kernel otherwise waits on memory (132 -> 82 ms a
+ * decode step of a 1.5B Q4_K_M model, bench_results/README.md). Prefetches never fault: the slice past the
+ * matrix, or into another thread's rows, costs only the bandwidth. */
+INLINE void gq_prefetch_slice(const char *next, int64_t b, int64_t slice) {
+    for (int64_t x = b * slice; x < (b + 1) * slice; x += 64) __builtin_prefetch(next + x, 0, 3);
+}
+
+/* Activation rows up to which Q6_K matmuls take gq_rows8_k (codes unpacked in registers, straight from the
+ * file's bytes) rather than gq_rows8 (each block decoded once into a gq_block, then read for every row): the
+ * unpacking is repeated per activation row, the decoding is not; past 6 rows gq_rows8 is the faster. Q4_K,
+ * whose unpacking is two instructions, takes gq_rows8_k at any row count (0.6x gq_rows8's time at 1-64 rows;
+ * bench_results/README.md). */
+#define GQ_Q6K_DIRECT_ROWS 6
+
+/* Output rows [n0, n0 + 8) of a Q4_K or Q6_K weight for activation rows [m0, m1): gq_rows8's integers and
+ * epilogue, with the codes and scales unpacked in registers from the block's bytes as gq_decode defines them
+ * (ggml's layout). Exact integer sums taken in another order:
+ *  - Q4_K: codes 0..15, so c . q is vpmaddubsw(c, q) directly (gq_rows8 takes |c| and q with c's sign: the
+ *    same products); the 6-bit scales and mins of the 12 scale bytes unpacked as llama.cpp does (utmp);
+ *    msum = sum over the 8 sub-blocks of min * (the sub-block's 32 q's sum) by vpmaddwd.
+ *  - Q6_K: codes u - 32 with u = 0..63, so c . q = u . q - 32 * (sum of q): vpmaddubsw(u, q), and
+ *    32 * sum_j s[j] * qs16[j] subtracted.
+ * isum and msum are the same integers, so every output is gq_rows8's to the bit. */
+INLINE void gq_rows8_k(const int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t m0, int64_t m1,
+                       int64_t K, const int8_t *xq, const float *dx, const int32_t *qs16, float *out, int64_t os) {
+    const int q4 = type == GQ_Q4_K, bytes = q4 ? 144 : 210;
+    const int64_t blocks = K / 256;
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(0x30);
+    /* the shuffle putting 16-bit lane w of each 128-bit half in all 8 of its lanes: word 2r of the low half
+     * in the low 128 bits and word 2r + 1 of the high half in the high ones, for scales of 16 inputs */
+    __m256i pick[4];
+    for (int r = 0; r < 4; r++) {
+        const int8_t lo = (int8_t)(4 * r), hi = (int8_t)(4 * r + 2);
+        pick[r] = _mm256_setr_epi8(lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1,
+                                   lo, lo + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1,
+                                   hi, hi + 1, hi, hi + 1);
+    }
+    __m256 acc[GQ_MC];
+    for (int64_t m = m0; m < m1; m++) acc[m - m0] = _mm256_setzero_ps();
+    const char *next = (const char *)(w + (n0 + 8) * row_bytes);
+    const int64_t slice = (8 * row_bytes / blocks + 63) & ~(int64_t)63;
+    for (int64_t b = 0; b < blocks; b++) {
+        gq_prefetch_slice(next, b, slice);
+        float dw[8], mw[8];
+        __m256i sv[8][8]; /* row i, 32-input chunk r: the scale of inputs 0-15 in the low half, 16-31 high */
+        __m128i mins[8];  /* Q4_K: row i's 8 mins, 16-bit */
+        for (int i = 0; i < 8; i++) {
+            const uint8_t *p = w + (n0 + i) * row_bytes + b * bytes;
+            __m256i s16; /* the 16 scales (one per 16 inputs) as 16-bit lanes */
+            if (q4) {
+                uint32_t u[4];
+                memcpy(u, p + 4, 12);
+                u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+                const uint32_t mn_lo = u[1] & 0x3f3f3f3fu;
+                u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+                u[2] = mn_lo;
+                u[0] &= 0x3f3f3f3fu;
+                /* u[0..1]: the 8 scales, u[2..3]: the 8 mins (bytes); each scale covers 32 inputs */
+                const __m128i sc8 = _mm_cvtsi64_si128((int64_t)((uint64_t)u[0] | ((uint64_t)u[1] << 32)));
+                const __m128i mn8 = _mm_cvtsi64_si128((int64_t)((uint64_t)u[2] | ((uint64_t)u[3] << 32)));
+                s16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));
+                mins[i] = _mm_cvtepu8_epi16(mn8);
+                dw[i] = gq_f16(p);
+                mw[i] = gq_f16(p + 2);
+            } else {
+                s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
+                dw[i] = gq_f16(p + 208);
+                mw[i] = 0.0f;
+            }
+            const __m256i lo = _mm256_permute2x128_si256(s16, s16, 0x00), hi = _mm256_permute2x128_si256(s16, s16, 0x11);
+            for (int r = 0; r < 4; r++) {
+                sv[i][r] = _mm256_shuffle_epi8(lo, pick[r]);
+                sv[i][4 + r] = _mm256_shuffle_epi8(hi, pick[r]);
+            }
+        }
+        const __m256 dwv = _mm256_loadu_ps(dw), mwv = _mm256_loadu_ps(mw);
+        for (int64_t m = m0; m < m1; m++) {
+            const int8_t *q = xq + m * K + b * 256;
+            const int32_t *s16q = qs16 + m * (K / 16) + b * 16;
+            const __m256i qa = _mm256_loadu_si256((const __m256i *)s16q), qb = _mm256_loadu_si256((const __m256i *)(s16q + 8));
+            __m256i t[8];
+            int32_t ms[8];
+            if (q4) {
+                /* the 8 sub-blocks' sums of q (pairs of qs16), 16-bit (|sum| <= 32 * 127) */
+                const __m256i pairs = _mm256_permute4x64_epi64(_mm256_hadd_epi32(qa, qb), 0xD8);
+                const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+                for (int i = 0; i < 8; i++) {
+                    const uint8_t *p = w + (n0 + i) * row_bytes + b * bytes + 16;
+                    __m256i a = _mm256_setzero_si256();
+                    for (int g = 0; g < 4; g++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * g));
+                        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(q + 64 * g));
+                        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(q + 64 * g + 32));
+                        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, m4), x0), sv[i][2 * g]));
+                        a = _mm256_add_epi32(a, _mm256_madd_epi16(
+                                                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), x1),
+                                                    sv[i][2 * g + 1]));
+                    }
+                    t[i] = a;
+                    __m128i mm = _mm_madd_epi16(mins[i], p16);
+                    mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4E));
+                    mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0xB1));
+                    ms[i] = _mm_cvtsi128_si32(mm);
+                }
+            } else {
+                /* sum_j s[j] * qs16[j] is subtracted 32 times: qs16 as 16-bit lanes (|qs16| <= 16 * 127) */
+                const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qa, qb), 0xD8);
+                for (int i = 0; i < 8; i++) {
+                    const uint8_t *p = w + (n0 + i) * row_bytes + b * bytes;
+                    __m256i a = _mm256_setzero_si256();
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
+                        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
+                        const __m256i hb = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+                        const __m256i u[4] = {
+                            _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2)),
+                            _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m2)),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m2)),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2))};
+                        for (int k = 0; k < 4; k++) {
+                            const __m256i x = _mm256_loadu_si256((const __m256i *)(q + 128 * h + 32 * k));
+                            a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(u[k], x), sv[i][4 * h + k]));
+                        }
+                    }
+                    /* the scales as 16-bit lanes in qs16's order: the low words of the sv vectors are not it, so
+                     * read them again from the block */
+                    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
+                    t[i] = _mm256_sub_epi32(a, _mm256_slli_epi32(_mm256_madd_epi16(s16, q16), 5));
+                }
+            }
+            const int64_t g = m * blocks + b;
+            const __m256 vdx = _mm256_set1_ps(dx[g]);
+            __m256 a = _mm256_add_ps(acc[m - m0], _mm256_mul_ps(_mm256_cvtepi32_ps(gq_reduce8(t)), _mm256_mul_ps(dwv, vdx)));
+            if (q4) {
+                const __m256 vm = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)ms));
+                a = _mm256_sub_ps(a, _mm256_mul_ps(vm, _mm256_mul_ps(mwv, vdx)));
+            }
+            acc[m - m0] = a;
+        }
+    }
+    for (int64_t m = m0; m < m1; m++) {
+        float v[8];
+        _mm256_storeu_ps(v, acc[m - m0]);
+        for (int i = 0; i < 8; i++) out[m * os + n0 + i] = v[i];
+    }
+}
+
+
 /* Output rows [n0, n0 + 8) for activation rows [m0, m1): gq_rows' arithmetic, 8 outputs in the lanes of
  * one vector, so that the epilogue (the same operations per output, in the same order) runs once for all
  * 8 and no per-block horizontal sum stands in the way. Sub-block scales are applied in 16-bit lanes
@@ -425,8 +576,11 @@ INLINE void gq_rows8(const int type, const uint8_t *w, int64_t row_bytes, int64_
     const __m256i ones = _mm256_set1_epi16(1);
     (void)ones; /* the VNNI build has no use for it */
     for (int64_t m = m0; m < m1; m++) acc[m - m0] = _mm256_setzero_ps();
+    const char *next = (const char *)(w + (n0 + 8) * row_bytes);
+    const int64_t slice = (8 * row_bytes / blocks + 63) & ~(int64_t)63;
     for (int64_t b = 0; b < blocks; b++) {
         float dw[8], mw[8];
+        gq_prefetch_slice(next, b, slice);
         for (int i = 0; i < 8; i++) {
             gq_decode(type, w + (n0 + i) * row_bytes + b * bytes, &blk[i]);
             dw[i] = blk[i].dw;
@@ -485,6 +639,8 @@ INLINE void gq_rows8(const int type, const uint8_t *w, int64_t row_bytes, int64_
 #define GQ_ROWS(T)                                                                                            \
     do {                                                                                                      \
         int64_t n = n0;                                                                                       \
+        if (T == GQ_Q4_K || (T == GQ_Q6_K && m1 - m0 <= GQ_Q6K_DIRECT_ROWS))                                   \
+            for (; n + 8 <= n1; n += 8) gq_rows8_k(T, w, row_bytes, n, m0, m1, K, xq, dx, qs16, out, os);     \
         for (; n + 8 <= n1; n += 8) gq_rows8(T, w, row_bytes, n, m0, m1, K, xq, dx, ex, qs16, out, os);       \
         if (n < n1) gq_rows(T, w, row_bytes, n, n1, m0, m1, K, xq, dx, ex, qs16, out, os);                  \
     } while (0)
@@ -526,11 +682,12 @@ static void gq_dispatch(int type, const uint8_t *w, int64_t row_bytes, int64_t n
 #else
 #define GQ_AMX 0
 #endif
-/* Rows from which the amx build's matmuls run on the AMX tiles, by type: Q4_K from 3 rows, Q6_K from 4, the
- * other K-quants from 8, the 32-input blocks from 12 (bench_results/README.md, "GGUF blocks on AMX" and
- * "AMX from fewer rows": the tiles' time hardly grows with the rows up to 16, while the AVX-512 kernel's
- * grows with each row; at 1 row it is the faster). A speculative step's k + 1 verification rows of a
- * Q4_K_M model run on the tiles so. */
+/* Rows from which the amx build's matmuls run on the AMX tiles, by type: Q4_K from 6 rows, Q6_K from 4, the
+ * other K-quants from 8, the 32-input blocks from 12 (bench_results/README.md, "GGUF blocks on AMX", "AMX
+ * from fewer rows" and "Q4_K / Q6_K codes in registers": the tiles' time hardly grows with the rows up to
+ * 16, while the AVX-512 kernel's grows with each row; at 1 row it is the faster, and since Q4_K's unpacks
+ * in registers (gq_rows8_k), up to 5). A speculative step's k + 1 verification rows of a Q4_K_M model run
+ * on the tiles from k = 5. */
 #if GQ_AMX
 static int gq_amx_min_rows(int type, int bs) {
 #ifdef GQ_AMX_MIN_M /* benchmarks/gguf_amx.py builds its own with -D, one threshold for every type */
@@ -538,7 +695,7 @@ static int gq_amx_min_rows(int type, int bs) {
     return GQ_AMX_MIN_M;
 #else
     switch (type) {
-    case GQ_Q4_K: return 3;
+    case GQ_Q4_K: return 6;
     case GQ_Q6_K: return 4;
     default: return bs == 256 ? 8 : 12;
     }
