@@ -58,6 +58,11 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     """Token budget of one step; None: `default_batched_tokens(device)` (2048 on CUDA, 128 on CPU), and
     2048 for an encoder (EngineCore: it has no decodes whose gaps a long step would stretch)."""
+    prefill_attention_budget: int | None = None
+    """While other requests decode, the most (query token, context position) pairs the prefill chunks of
+    one step attend to, so that a long prompt's chunks shrink as its context grows and the decoding
+    streams' steps stay short (izh.engine.scheduler); 0: no limit. None: `default_prefill_attention_budget`
+    (32,768 on CPU, 0 on CUDA)."""
     max_num_seqs: int = 128
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
@@ -137,6 +142,19 @@ def lora_enabled(config: EngineConfig) -> bool:
 def default_batched_tokens(device_type: str) -> int:
     """`max_num_batched_tokens` when it is unset, by the engine's device type ("cuda", "cpu")."""
     return CUDA_BATCHED_TOKENS if device_type == "cuda" else CPU_BATCHED_TOKENS
+
+
+CPU_PREFILL_ATTENTION_BUDGET = 32768
+"""About 40 ms of attention on two cores of an AVX-512 CPU for a 0.5B model (24 layers of 14 heads of 64,
+~86 KFLOP a pair at ~75 GFLOP/s), about its decode step of 4 streams; for a 7B model (32 layers of 32 heads
+of 128) ~230 ms, about its decode step. A step that carries a chunk then stays within ~2-3x a decode step
+(bench_results/README.md, "Long prompts while streams decode")."""
+
+
+def default_prefill_attention_budget(device_type: str) -> int:
+    """`prefill_attention_budget` when it is unset: CPU_PREFILL_ATTENTION_BUDGET on CPU, 0 (no limit) on CUDA,
+    where attention is not what makes a step long."""
+    return 0 if device_type == "cuda" else CPU_PREFILL_ATTENTION_BUDGET
 
 
 def with_torchrun_env(config: EngineConfig, env: dict[str, str] | None) -> EngineConfig:

@@ -277,6 +277,14 @@ class EngineSettings(_Section):
         "on CUDA, 128 on CPU (where a 2048-token prefill step takes seconds, and every decode waits for it), "
         "2048 for an encoder (it only embeds: no decode waits).",
     )
+    prefill_attention_budget: int | None = Field(
+        default=None,
+        ge=0,
+        description="While other requests decode, the most (query token, context position) pairs the prefill "
+        "chunks of one step attend to: a long prompt's chunks shrink as its context grows (a 128-token chunk "
+        "at 4,000 tokens of context is 512,000 pairs), so that the decoding streams' steps stay short, at "
+        "the cost of the long prompt's time to first token. 0 = no limit; unset = 32768 on CPU, 0 on CUDA.",
+    )
     max_num_seqs: int = Field(default=128, gt=0, description="Most sequences running in one engine step.")
     enable_prefix_caching: bool = Field(
         default=True, description="Reuse the KV cache of shared prompt prefixes across requests."
@@ -862,6 +870,7 @@ class IzhSettings(BaseSettings):
             kv_cache_memory_fraction=engine.kv_cache_memory_fraction,
             kv_cache_dtype=engine.kv_cache_dtype,
             max_num_batched_tokens=engine.max_num_batched_tokens,
+            prefill_attention_budget=engine.prefill_attention_budget,
             max_num_seqs=engine.max_num_seqs,
             enable_prefix_caching=engine.enable_prefix_caching,
             scheduling_policy=engine.scheduling_policy,

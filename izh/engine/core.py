@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from izh.config import EngineConfig
+from izh.config import EngineConfig, default_prefill_attention_budget
 from izh.engine.draft_model import (
     DraftModelProposer,
     DraftRequest,
@@ -77,6 +77,11 @@ class EngineCore:
         self.scheduler = Scheduler(
             kv_cache_manager=self.kv_cache_manager,
             max_num_batched_tokens=self.runner.max_num_batched_tokens,
+            prefill_attention_budget=(
+                default_prefill_attention_budget(self.runner.device.type)
+                if config.prefill_attention_budget is None
+                else config.prefill_attention_budget
+            ),
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,

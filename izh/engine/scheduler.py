@@ -12,6 +12,14 @@ an encoder must see its whole input). It waits while the step's budget left is t
 the first waiting request admitted in the step: then the step runs over its budget by what it needs
 (at most max_model_len tokens), so a prompt longer than the budget is never starved.
 
+Long prompts while others decode: a prefill chunk's attention grows with its context (each of its T
+tokens attends to every position before it), so at 4,000 tokens of context a 128-token chunk costs a CPU
+several decode steps' time, and every decoding stream waits for it. With `prefill_attention_budget` > 0,
+while any running request is past its prompt, the prefill chunks of a step together attend to at most that
+many (query token, context position) pairs: a chunk of T tokens from position c counts T * c + T (T + 1) / 2.
+The step's first chunk always gets at least one token, so a prompt always progresses; when nothing decodes
+there is no limit (the prompt alone goes as fast as the token budget allows).
+
 With LoRA (`max_loras` > 0), the running requests use at most `max_loras` distinct adapters, as many as
 the model holds at once (izh.engine.lora_manager): a waiting request on another adapter waits at the
 head of the queue until one of those adapters has no running request left.
@@ -22,6 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -144,6 +153,12 @@ class _WaitingQueue:
         heapq.heapify(self._heap)
 
 
+def prefill_attention_pairs(context: int, num_tokens: int) -> int:
+    """The (query token, context position) pairs a prefill chunk of `num_tokens` tokens from position
+    `context` attends to: token i (0-based) sees context + i + 1 positions."""
+    return num_tokens * context + num_tokens * (num_tokens + 1) // 2
+
+
 class Scheduler:
     """Continuous batching over a KVCacheManager under one token budget per step."""
 
@@ -158,6 +173,7 @@ class Scheduler:
         block_size: int | None = None,
         is_ready: Callable[[Request], bool] | None = None,
         max_loras: int = 0,
+        prefill_attention_budget: int = 0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; supported: {', '.join(POLICIES)}")
@@ -165,6 +181,8 @@ class Scheduler:
             raise ValueError(
                 f"block_size {block_size} differs from the KV cache's {kv_cache_manager.block_size}"
             )
+        if prefill_attention_budget < 0:
+            raise ValueError(f"prefill_attention_budget must be >= 0; got {prefill_attention_budget}")
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
             raise ValueError(
                 f"need max_num_batched_tokens >= 1, max_num_seqs >= 1, max_model_len >= 2; got "
@@ -187,6 +205,12 @@ class Scheduler:
         """Whether a waiting request may start (False while its grammar still compiles)."""
         self.max_loras = max_loras
         """The most distinct LoRA adapters the running requests may use (0: no LoRA)."""
+        self.prefill_attention_budget = prefill_attention_budget
+        """While a running request decodes, the (query, position) pairs a step's prefill chunks may attend
+        to (0: no limit; see the module docstring)."""
+        self._attention_left: int | None = None
+        """What is left of it in the step being scheduled (None: no limit this step)."""
+        self._chunked_this_step = False
         self.requests: dict[str, Request] = {}
         """Every unfinished request by id."""
         self.running: list[Request] = []
@@ -272,6 +296,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts, allocating their blocks."""
         output = SchedulerOutput()
+        decoding = any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
+        self._attention_left = (
+            self.prefill_attention_budget if self.prefill_attention_budget and decoding else None
+        )
+        self._chunked_this_step = False
         budget = self._schedule_running(output, self.max_num_batched_tokens)
         # After a preemption blocks are scarce: admitting new work would only preempt again.
         if not output.preempted_request_ids:
@@ -296,6 +325,10 @@ class Scheduler:
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new_tokens <= 0:
                 continue  # its step produced no token (the runner skipped it); nothing to compute
+            if request.num_tokens - request.num_computed_tokens > 1:
+                num_new_tokens = self._cap_by_attention(request.num_computed_tokens, num_new_tokens)
+                if num_new_tokens == 0:
+                    continue  # the step's prefill attention is spent; it goes on next step
             spec_token_ids = request.spec_token_ids
             if spec_token_ids:
                 request.spec_token_ids = []
@@ -334,6 +367,10 @@ class Scheduler:
                 num_new_tokens = request.num_tokens - num_hit_tokens
                 if num_new_tokens > budget and admitted:
                     break
+            else:
+                num_new_tokens = self._cap_by_attention(num_hit_tokens, num_new_tokens)
+                if num_new_tokens == 0:
+                    break  # the step's prefill attention is spent
             if kv.allocate_slots(request, num_new_tokens, computed_blocks, num_hit_tokens) is None:
                 break  # the head waits for blocks; skipping it for smaller requests could starve it
             self.waiting.pop()
@@ -346,6 +383,30 @@ class Scheduler:
             budget -= num_new_tokens
             admitted = True
         return budget
+
+    def _cap_by_attention(self, context: int, num_new_tokens: int) -> int:
+        """num_new_tokens of a prefill chunk from position `context`, cut to what is left of the step's
+        prefill attention (the module docstring), which it then takes: at least 1 for the step's first
+        chunk, else 0 once it is spent."""
+        left = self._attention_left
+        first = not self._chunked_this_step
+        self._chunked_this_step = True
+        if left is None:
+            return num_new_tokens
+        n = num_new_tokens
+        if prefill_attention_pairs(context, n) > left:
+            # the largest n with n * context + n (n + 1) / 2 <= left
+            b = 2 * context + 1
+            n = (math.isqrt(b * b + 8 * left) - b) // 2
+            while n > 0 and prefill_attention_pairs(context, n) > left:
+                n -= 1
+            while prefill_attention_pairs(context, n + 1) <= left:
+                n += 1
+            n = min(n, num_new_tokens)
+            if n == 0 and first:
+                n = 1
+        self._attention_left = max(0, left - prefill_attention_pairs(context, n))
+        return n
 
     def _lora_fits(self, lora_id: int) -> bool:
         """Admitting a request on adapter `lora_id` keeps the running adapters within max_loras."""

@@ -682,12 +682,12 @@ static void gq_dispatch(int type, const uint8_t *w, int64_t row_bytes, int64_t n
 #else
 #define GQ_AMX 0
 #endif
-/* Rows from which the amx build's matmuls run on the AMX tiles, by type: Q4_K from 6 rows, Q6_K from 4, the
+/* Rows from which the amx build's matmuls run on the AMX tiles, by type: Q4_K from 6 rows, Q6_K from 5, the
  * other K-quants from 8, the 32-input blocks from 12 (bench_results/README.md, "GGUF blocks on AMX", "AMX
  * from fewer rows" and "Q4_K / Q6_K codes in registers": the tiles' time hardly grows with the rows up to
- * 16, while the AVX-512 kernel's grows with each row; at 1 row it is the faster, and since Q4_K's unpacks
- * in registers (gq_rows8_k), up to 5). A speculative step's k + 1 verification rows of a Q4_K_M model run
- * on the tiles from k = 5. */
+ * 16, while the AVX-512 kernel's grows with each row; at 1 row it is the faster, and since the Q4_K / Q6_K
+ * codes unpack in registers (gq_rows8_k), up to 4-5 rows). A speculative step's k + 1 verification rows of a
+ * Q4_K_M model run on the tiles from k = 5. */
 #if GQ_AMX
 static int gq_amx_min_rows(int type, int bs) {
 #ifdef GQ_AMX_MIN_M /* benchmarks/gguf_amx.py builds its own with -D, one threshold for every type */
@@ -696,7 +696,7 @@ static int gq_amx_min_rows(int type, int bs) {
 #else
     switch (type) {
     case GQ_Q4_K: return 6;
-    case GQ_Q6_K: return 4;
+    case GQ_Q6_K: return 5;
     default: return bs == 256 ? 8 : 12;
     }
 #endif
