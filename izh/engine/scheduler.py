@@ -17,8 +17,10 @@ tokens attends to every position before it), so at 4,000 tokens of context a 128
 several decode steps' time, and every decoding stream waits for it. With `prefill_attention_budget` > 0,
 while any running request is past its prompt, the prefill chunks of a step together attend to at most that
 many (query token, context position) pairs: a chunk of T tokens from position c counts T * c + T (T + 1) / 2.
-The step's first chunk always gets at least one token, so a prompt always progresses; when nothing decodes
-there is no limit (the prompt alone goes as fast as the token budget allows).
+Every chunk still gets at least one token, and as many as fit in a quarter of the budget even when the
+step's is spent, so that every prompt progresses and a short prompt arriving during a long one is not held
+back behind it; when nothing decodes there is no limit (a prompt alone goes as fast as the token budget
+allows).
 
 With LoRA (`max_loras` > 0), the running requests use at most `max_loras` distinct adapters, as many as
 the model holds at once (izh.engine.lora_manager): a waiting request on another adapter waits at the
@@ -210,7 +212,6 @@ class Scheduler:
         to (0: no limit; see the module docstring)."""
         self._attention_left: int | None = None
         """What is left of it in the step being scheduled (None: no limit this step)."""
-        self._chunked_this_step = False
         self.requests: dict[str, Request] = {}
         """Every unfinished request by id."""
         self.running: list[Request] = []
@@ -300,7 +301,6 @@ class Scheduler:
         self._attention_left = (
             self.prefill_attention_budget if self.prefill_attention_budget and decoding else None
         )
-        self._chunked_this_step = False
         budget = self._schedule_running(output, self.max_num_batched_tokens)
         # After a preemption blocks are scarce: admitting new work would only preempt again.
         if not output.preempted_request_ids:
@@ -327,8 +327,6 @@ class Scheduler:
                 continue  # its step produced no token (the runner skipped it); nothing to compute
             if request.num_tokens - request.num_computed_tokens > 1:
                 num_new_tokens = self._cap_by_attention(request.num_computed_tokens, num_new_tokens)
-                if num_new_tokens == 0:
-                    continue  # the step's prefill attention is spent; it goes on next step
             spec_token_ids = request.spec_token_ids
             if spec_token_ids:
                 request.spec_token_ids = []
@@ -367,10 +365,8 @@ class Scheduler:
                 num_new_tokens = request.num_tokens - num_hit_tokens
                 if num_new_tokens > budget and admitted:
                     break
-            else:
+            elif num_new_tokens > 0:
                 num_new_tokens = self._cap_by_attention(num_hit_tokens, num_new_tokens)
-                if num_new_tokens == 0:
-                    break  # the step's prefill attention is spent
             if kv.allocate_slots(request, num_new_tokens, computed_blocks, num_hit_tokens) is None:
                 break  # the head waits for blocks; skipping it for smaller requests could starve it
             self.waiting.pop()
@@ -385,26 +381,23 @@ class Scheduler:
         return budget
 
     def _cap_by_attention(self, context: int, num_new_tokens: int) -> int:
-        """num_new_tokens of a prefill chunk from position `context`, cut to what is left of the step's
-        prefill attention (the module docstring), which it then takes: at least 1 for the step's first
-        chunk, else 0 once it is spent."""
+        """num_new_tokens (>= 1) of a prefill chunk from position `context`, cut to the pairs it may attend
+        to (the module docstring: what is left of the step's budget, or a quarter of the budget if that is
+        more; at least one token), which it then takes from what is left."""
         left = self._attention_left
-        first = not self._chunked_this_step
-        self._chunked_this_step = True
         if left is None:
             return num_new_tokens
+        allowed = max(left, self.prefill_attention_budget // 4)
         n = num_new_tokens
-        if prefill_attention_pairs(context, n) > left:
-            # the largest n with n * context + n (n + 1) / 2 <= left
+        if prefill_attention_pairs(context, n) > allowed:
+            # the largest n with n * context + n (n + 1) / 2 <= allowed
             b = 2 * context + 1
-            n = (math.isqrt(b * b + 8 * left) - b) // 2
-            while n > 0 and prefill_attention_pairs(context, n) > left:
+            n = (math.isqrt(b * b + 8 * allowed) - b) // 2
+            while n > 0 and prefill_attention_pairs(context, n) > allowed:
                 n -= 1
-            while prefill_attention_pairs(context, n + 1) <= left:
+            while prefill_attention_pairs(context, n + 1) <= allowed:
                 n += 1
-            n = min(n, num_new_tokens)
-            if n == 0 and first:
-                n = 1
+            n = max(1, min(n, num_new_tokens))
         self._attention_left = max(0, left - prefill_attention_pairs(context, n))
         return n
 

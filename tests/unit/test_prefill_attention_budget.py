@@ -76,21 +76,35 @@ def test_budget_zero_is_no_limit() -> None:
     assert sizes == [127, 127, 127]
 
 
-def test_the_steps_first_chunk_always_progresses_and_the_others_share_what_is_left() -> None:
+def test_every_chunk_progresses_and_a_quarter_of_the_budget_is_each_chunks_floor() -> None:
     scheduler = scheduler_with(100, max_model_len=8192)
     scheduler.add_request(make_request("chat", 10, max_tokens=400, ignore_eos=True))
     step(scheduler)
     scheduler.add_request(make_request("a", 600, first_token=1000, max_tokens=1, arrival_time=1.0))
     scheduler.add_request(make_request("b", 600, first_token=3000, max_tokens=1, arrival_time=2.0))
     rows = plan(step(scheduler)[0])
-    # "a" takes 13 tokens (91 pairs); "b" from 0 gets the largest n with n (n + 1) / 2 <= 9: 3
-    assert rows == [("chat", 1, 10, True), ("a", 13, 0, False), ("b", 3, 0, False)]
-    for _ in range(200):  # run "a" and "b" far in: one token of "a" then passes the whole budget
+    # "a" takes 13 tokens (91 pairs); 9 are left, but "b" may take up to 25 (a quarter): 6 tokens, 21 pairs
+    assert rows == [("chat", 1, 10, True), ("a", 13, 0, False), ("b", 6, 0, False)]
+    for _ in range(200):  # run "a" and "b" past the budget: one token of either then passes it
         step(scheduler)
     rows = plan(step(scheduler)[0])
-    contexts = {rid: before for rid, _, before, _ in rows}
-    assert contexts["a"] > 100
-    assert [(rid, n) for rid, n, _, _ in rows] == [("chat", 1), ("a", 1)]  # "a" still moves; "b" waits
+    assert min(before for _, _, before, _ in rows[1:]) > 100
+    assert [(rid, n) for rid, n, _, _ in rows] == [("chat", 1), ("a", 1), ("b", 1)]  # both still move
+
+
+def test_a_short_prompt_arriving_during_a_long_one_is_not_held_behind_it() -> None:
+    scheduler = scheduler_with(4096, max_model_len=8000)
+    scheduler.add_request(make_request("chat", 10, max_tokens=4000, ignore_eos=True))
+    step(scheduler)
+    scheduler.add_request(make_request("long", 7000, first_token=1000, max_tokens=1))
+    while scheduler.requests["long"].num_computed_tokens < 5000:
+        step(scheduler)
+    rows = plan(step(scheduler)[0])
+    assert [(rid, n) for rid, n, _, _ in rows] == [("chat", 1), ("long", 1)]  # 5,001+ pairs: one token
+    scheduler.add_request(make_request("short", 40, first_token=9000, max_tokens=1))
+    rows = plan(step(scheduler)[0])
+    # the step's budget is spent by "long", yet "short" (820 pairs, under a quarter of 4,096) goes whole
+    assert [(rid, n) for rid, n, _, _ in rows] == [("chat", 1), ("long", 1), ("short", 40)]
 
 
 def test_a_negative_budget_is_refused() -> None:
