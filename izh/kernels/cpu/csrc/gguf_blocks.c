@@ -408,6 +408,25 @@ INLINE __m256i gq_reduce8(const __m256i *v) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+/* The recipe's float epilogue for the 8 outputs of a block, one per lane (the header's order, every operation
+ * rounded on its own): acc + (float)isum * (dw * dx), then for the integer mins - (float)msum * (mw * dx). */
+INLINE __m256 gq_epilogue8(__m256 acc, __m256i isum, __m256 dwv, __m256 vdx) {
+    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dwv, vdx)));
+}
+INLINE __m256 gq_epilogue8_mins(__m256 a, const int32_t *msum, __m256 mwv, __m256 vdx) {
+    const __m256 vm = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)msum));
+    return _mm256_sub_ps(a, _mm256_mul_ps(vm, _mm256_mul_ps(mwv, vdx)));
+}
+
+/* out[m, n0 .. n0 + 7] = the lanes of acc[m - m0], for m in [m0, m1). */
+INLINE void gq_store8(const __m256 *acc, int64_t m0, int64_t m1, float *out, int64_t os, int64_t n0) {
+    for (int64_t m = m0; m < m1; m++) {
+        float v[8];
+        _mm256_storeu_ps(v, acc[m - m0]);
+        for (int i = 0; i < 8; i++) out[m * os + n0 + i] = v[i];
+    }
+}
+
 /* Slice b (`slice` bytes) of the next 8 weight rows (contiguous: 8 * row_bytes bytes), prefetched while block
  * b of the current 8 is used. The 8 rows' blocks are read at 8 strided places, which the hardware
  * prefetchers pick up too late: at one activation row the kernel otherwise waits on memory (132 -> 82 ms a
@@ -543,19 +562,11 @@ INLINE void gq_rows8_k(const int type, const uint8_t *w, int64_t row_bytes, int6
             }
             const int64_t g = m * blocks + b;
             const __m256 vdx = _mm256_set1_ps(dx[g]);
-            __m256 a = _mm256_add_ps(acc[m - m0], _mm256_mul_ps(_mm256_cvtepi32_ps(gq_reduce8(t)), _mm256_mul_ps(dwv, vdx)));
-            if (q4) {
-                const __m256 vm = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)ms));
-                a = _mm256_sub_ps(a, _mm256_mul_ps(vm, _mm256_mul_ps(mwv, vdx)));
-            }
-            acc[m - m0] = a;
+            const __m256 a = gq_epilogue8(acc[m - m0], gq_reduce8(t), dwv, vdx);
+            acc[m - m0] = q4 ? gq_epilogue8_mins(a, ms, mwv, vdx) : a;
         }
     }
-    for (int64_t m = m0; m < m1; m++) {
-        float v[8];
-        _mm256_storeu_ps(v, acc[m - m0]);
-        for (int i = 0; i < 8; i++) out[m * os + n0 + i] = v[i];
-    }
+    gq_store8(acc, m0, m1, out, os, n0);
 }
 
 
@@ -613,7 +624,7 @@ INLINE void gq_rows8(const int type, const uint8_t *w, int64_t row_bytes, int64_
             }
             const int64_t g = m * blocks + b;
             const __m256 vdx = _mm256_set1_ps(dx[g]);
-            __m256 a = _mm256_add_ps(acc[m - m0], _mm256_mul_ps(_mm256_cvtepi32_ps(gq_reduce8(t)), _mm256_mul_ps(dwv, vdx)));
+            __m256 a = gq_epilogue8(acc[m - m0], gq_reduce8(t), dwv, vdx);
             if (mk == GQ_MIN_FLOAT) a = _mm256_add_ps(a, _mm256_mul_ps(mwv, _mm256_set1_ps(ex[g])));
             if (mk == GQ_MIN_INT) {
                 const int32_t *s16 = qs16 + m * (K / 16) + b * (bs / 16);
@@ -623,17 +634,12 @@ INLINE void gq_rows8(const int type, const uint8_t *w, int64_t row_bytes, int64_
                     for (int j = 0; j < bs / 16; j++) msum += blk[i].m[j] * s16[j];
                     ms[i] = msum;
                 }
-                const __m256 vm = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)ms));
-                a = _mm256_sub_ps(a, _mm256_mul_ps(vm, _mm256_mul_ps(mwv, vdx)));
+                a = gq_epilogue8_mins(a, ms, mwv, vdx);
             }
             acc[m - m0] = a;
         }
     }
-    for (int64_t m = m0; m < m1; m++) {
-        float v[8];
-        _mm256_storeu_ps(v, acc[m - m0]);
-        for (int i = 0; i < 8; i++) out[m * os + n0 + i] = v[i];
-    }
+    gq_store8(acc, m0, m1, out, os, n0);
 }
 
 #define GQ_ROWS(T)                                                                                            \
