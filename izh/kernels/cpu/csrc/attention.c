@@ -462,6 +462,18 @@ INLINE __m256 attn_hsum8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
+/* The first m (1..8) lanes of s to dst: a whole chunk in one store, not through a copy of variable length
+ * (gcc makes that a slow rep movsq). */
+INLINE void store_scores8(float *dst, __m256 s, int64_t m) {
+    if (m == 8) {
+        _mm256_storeu_ps(dst, s);
+    } else {
+        float t[8];
+        _mm256_storeu_ps(t, s);
+        for (int64_t o = 0; o < m; o++) dst[o] = t[o];
+    }
+}
+
 /* oh[c] = inv * sum over positions p of wh[p] * V[p][c0 + c], for nc 8-float chunks (nc <= 8). */
 INLINE void f32_values_avx2(float *oh, const float *vc, const int32_t *blocks, int64_t S, int64_t L,
                             int64_t block_size, int64_t kvh, int64_t g, int64_t D, const float *wh, float inv,
@@ -510,14 +522,7 @@ static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int6
                 const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
                 for (int o = 0; o < 8; o++) acc[o] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(rows[o] + 8 * c), acc[o]);
             }
-            const __m256 s = _mm256_mul_ps(attn_hsum8(acc), _mm256_set1_ps(scale));
-            if (m == 8) {
-                _mm256_storeu_ps(sc + hh * L + p0, s);
-            } else {
-                float t[8];
-                _mm256_storeu_ps(t, s);
-                for (int64_t o = 0; o < m; o++) sc[hh * L + p0 + o] = t[o];
-            }
+            store_scores8(sc + hh * L + p0, _mm256_mul_ps(attn_hsum8(acc), _mm256_set1_ps(scale)), m);
         }
     }
     softmax_rows(sc, inv, group, L, softcap);
@@ -592,14 +597,7 @@ static FAST_FP __attribute__((noinline)) void attn_item_conv_avx2(int64_t i, int
                         const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
                         for (int o = 0; o < 8; o++) a[o] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(tile + o * D + 8 * c), a[o]);
                     }
-                    const __m256 s = _mm256_mul_ps(attn_hsum8(a), _mm256_set1_ps(scale));
-                    if (m == 8) { /* not through a copy of variable length: gcc makes that a slow rep movsq */
-                        _mm256_storeu_ps(sc + hh * L + p0, s);
-                    } else {
-                        float t[8];
-                        _mm256_storeu_ps(t, s);
-                        for (int64_t o = 0; o < m; o++) sc[hh * L + p0 + o] = t[o];
-                    }
+                    store_scores8(sc + hh * L + p0, _mm256_mul_ps(attn_hsum8(a), _mm256_set1_ps(scale)), m);
                     continue;
                 }
                 const float *wh = sc + hh * L + p0;
