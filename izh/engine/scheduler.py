@@ -390,13 +390,11 @@ class Scheduler:
         allowed = max(left, self.prefill_attention_budget // 4)
         n = num_new_tokens
         if prefill_attention_pairs(context, n) > allowed:
-            # the largest n with n * context + n (n + 1) / 2 <= allowed
+            # the largest n with n * context + n (n + 1) / 2 <= allowed: n^2 + b n - 2 allowed <= 0 with b odd,
+            # whose root's floor (isqrt(D) - b) // 2 gives exactly (b odd, so rounding D's root down first
+            # cannot lower it)
             b = 2 * context + 1
             n = (math.isqrt(b * b + 8 * allowed) - b) // 2
-            while n > 0 and prefill_attention_pairs(context, n) > allowed:
-                n -= 1
-            while prefill_attention_pairs(context, n + 1) <= allowed:
-                n += 1
             n = max(1, min(n, num_new_tokens))
         self._attention_left = max(0, left - prefill_attention_pairs(context, n))
         return n
