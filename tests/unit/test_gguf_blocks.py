@@ -98,7 +98,7 @@ def test_amx_tiles_are_the_reference_bit_for_bit_at_large_row_counts(name: str) 
         pytest.skip(reason)
     bs = G.block_size(name)
     with cpu_ops.use_variant("amx"):
-        first = {"Q4_K": 6, "Q6_K": 5}.get(name, 8 if bs == 256 else 12)  # csrc's gq_amx_min_rows
+        first = {"Q4_K": 4, "Q6_K": 4}.get(name, 8 if bs == 256 else 12)  # csrc's gq_amx_min_rows
         assert not G.gguf_uses_amx(name, first - 1) and G.gguf_uses_amx(name, first)
         assert G.gguf_uses_amx(name, 300)
         for n, k in [(37, 2 * bs), (16, 5 * bs if bs == 32 else bs)]:

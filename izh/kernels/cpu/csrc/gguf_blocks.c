@@ -688,12 +688,12 @@ static void gq_dispatch(int type, const uint8_t *w, int64_t row_bytes, int64_t n
 #else
 #define GQ_AMX 0
 #endif
-/* Rows from which the amx build's matmuls run on the AMX tiles, by type: Q4_K from 6 rows, Q6_K from 5, the
+/* Rows from which the amx build's matmuls run on the AMX tiles, by type: Q4_K and Q6_K from 4 rows, the
  * other K-quants from 8, the 32-input blocks from 12 (bench_results/README.md, "GGUF blocks on AMX", "AMX
- * from fewer rows" and "Q4_K / Q6_K codes in registers": the tiles' time hardly grows with the rows up to
- * 16, while the AVX-512 kernel's grows with each row; at 1 row it is the faster, and since the Q4_K / Q6_K
- * codes unpack in registers (gq_rows8_k), up to 4-5 rows). A speculative step's k + 1 verification rows of a
- * Q4_K_M model run on the tiles from k = 5. */
+ * from fewer rows" and "Q4_K / Q6_K tiles built from the file's bytes": the tiles' time hardly grows with the
+ * rows up to 16, while the AVX-512 kernel's grows with each row; at 1 row it is the faster, up to 3 rows for
+ * Q4_K / Q6_K since both build their tiles in registers). A speculative step's k + 1 verification rows of a
+ * Q4_K_M model run on the tiles from k = 3. */
 #if GQ_AMX
 static int gq_amx_min_rows(int type, int bs) {
 #ifdef GQ_AMX_MIN_M /* benchmarks/gguf_amx.py builds its own with -D, one threshold for every type */
@@ -701,8 +701,8 @@ static int gq_amx_min_rows(int type, int bs) {
     return GQ_AMX_MIN_M;
 #else
     switch (type) {
-    case GQ_Q4_K: return 6;
-    case GQ_Q6_K: return 5;
+    case GQ_Q4_K:
+    case GQ_Q6_K: return 4;
     default: return bs == 256 ? 8 : 12;
     }
 #endif
@@ -775,7 +775,7 @@ int izh_gguf_matmul_f32(int type, const float *x, int64_t xs, const uint8_t *w, 
 #if GQ_AMX
         if (amx) {
             const int64_t tiles = act.Mq / 16, col_groups = (N + 15) / 16;
-            gq_amx_prepare(xq, dx, ex, qs16, M, K, bs, mk == GQ_MIN_INT, tiles * me / team, tiles * (me + 1) / team,
+            gq_amx_prepare(xq, dx, ex, qs16, M, K, bs, mk == GQ_MIN_INT, type == GQ_Q4_K, tiles * me / team, tiles * (me + 1) / team,
                            &act);
 #pragma omp barrier
             gq_amx_dispatch(type, w, row_bytes, N, col_groups * me / team, col_groups * (me + 1) / team, M, K, &act,
