@@ -6,8 +6,9 @@ Builds the amx variant's library twice from csrc/ with the tiles' row threshold 
 (`-DGQ_AMX_MIN_M=1`: every matmul on the tiles; `-DGQ_AMX_MIN_M=1<<30`: none, the AVX-512 VNNI kernel the
 avx512 variant runs), then times `izh_gguf_matmul_f32` (float32 x, the file's blocks, random) on Qwen2.5's
 shapes (`SHAPES`: hidden 896 and 1536, N and K up to the 1.5B's 8960) for Q4_K, Q6_K, Q8_0 and Q5_0, the two libraries
-alternating, the fastest of --repeats per point (the median recorded too). The row count from which the tiles win on every shape of a
-format is where `gq_amx_min_rows` (csrc/gguf_blocks.c) starts that format on them. Both libraries give the same bits (asserted on each
+alternating, the fastest of --repeats per point (the median recorded too). Its weights (a few MB) can stay in the
+last-level cache between repeats, which favours the tiles; `gq_amx_min_rows` (csrc/gguf_blocks.c) is set from
+whole decode steps of real models, whose weights stream from memory. Both libraries give the same bits (asserted on each
 shape). Writes one JSON under bench_results/.
 """
 

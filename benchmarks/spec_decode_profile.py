@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens of the generation")
     ap.add_argument("--draft-p-min", type=float, default=0.0)
     ap.add_argument("--max-rows", type=int, default=9)
+    ap.add_argument("--rows", default=None, help="comma-separated row counts instead of 1 .. --max-rows")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -97,7 +98,7 @@ def main() -> None:
     target, draft = core.runner, core.draft
     rows = {
         m: round(_rows_ms(target, m, args.context, args.repeats, logits=True), 2)
-        for m in range(1, args.max_rows + 1)
+        for m in ([int(r) for r in args.rows.split(",")] if args.rows else range(1, args.max_rows + 1))
     }
     print("target step of M rows (ms):", rows, flush=True)
     fields: dict[str, object] = {

@@ -288,8 +288,7 @@ def gguf_matmul(
 
 def gguf_uses_amx(ggml_type: int | str, rows: int) -> bool:
     """Whether `gguf_matmul` of `rows` rows runs on the AMX tiles (the amx variant, a CPU with AMX-INT8 that
-    Linux lets use them, from 4 rows for Q4_K and Q6_K, 8 for the other K-quants, 12 for the 32-input
-    blocks): the same bits as every other path, faster on those batches."""
+    Linux lets use them, from 4 rows for Q4_K and Q6_K, 8 for the other formats): the same bits as every other path, faster on those batches."""
     kernels = _kernels(STATE.active or resolve())
     return kernels is not None and bool(kernels[2](GGUF_BLOCK_TYPES[_name(ggml_type)][0], rows))
 

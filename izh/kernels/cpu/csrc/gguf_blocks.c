@@ -688,12 +688,12 @@ static void gq_dispatch(int type, const uint8_t *w, int64_t row_bytes, int64_t n
 #else
 #define GQ_AMX 0
 #endif
-/* Rows from which the amx build's matmuls run on the AMX tiles, by type: Q4_K and Q6_K from 4 rows, the
- * other K-quants from 8, the 32-input blocks from 12 (bench_results/README.md, "GGUF blocks on AMX", "AMX
- * from fewer rows" and "Q4_K / Q6_K tiles built from the file's bytes": the tiles' time hardly grows with the
- * rows up to 16, while the AVX-512 kernel's grows with each row; at 1 row it is the faster, up to 3 rows for
- * Q4_K / Q6_K since both build their tiles in registers). A speculative step's k + 1 verification rows of a
- * Q4_K_M model run on the tiles from k = 3. */
+/* Rows from which the amx build's matmuls run on the AMX tiles, by type: Q4_K and Q6_K from 4 rows, the other
+ * formats from 8. The tiles' time hardly grows with the rows up to 16, while the AVX-512 kernel's grows with
+ * each row; at 1 row the latter is the faster. Measured as whole decode steps of real Q4_K_M models, whose
+ * weights stream from memory (bench_results/README.md, "AMX tiles built from the file's bytes"; a
+ * microbenchmark's weights can sit in a large L3 and favour the tiles). A speculative step's k + 1
+ * verification rows of a Q4_K_M model run on the tiles from k = 3. */
 #if GQ_AMX
 static int gq_amx_min_rows(int type, int bs) {
 #ifdef GQ_AMX_MIN_M /* benchmarks/gguf_amx.py builds its own with -D, one threshold for every type */
@@ -703,7 +703,7 @@ static int gq_amx_min_rows(int type, int bs) {
     switch (type) {
     case GQ_Q4_K:
     case GQ_Q6_K: return 4;
-    default: return bs == 256 ? 8 : 12;
+    default: return 8;
     }
 #endif
 }
