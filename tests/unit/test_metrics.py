@@ -213,6 +213,30 @@ def test_scheduler_stats_set_gauges_and_advance_counters() -> None:
     assert _value(text, 'izh:iteration_tokens_total_bucket{engine="0",le="8.0",model_name="tiny"}') == 1
 
 
+def _counter_samples(text: str) -> set[str]:
+    return {
+        line.rpartition(" ")[0]
+        for line in text.splitlines()
+        if line.startswith("izh:") and line.partition("{")[0].endswith("_total")
+    }
+
+
+def test_a_scrape_before_the_first_stats_lists_every_counter_the_stats_advance() -> None:
+    """A client diffing two scrapes (izh bench, a dashboard's rate()) finds each engine counter in both,
+    the speculative-decoding ones included, even when the first scrape comes before the core's first
+    stats."""
+    stat_logger = _logger()
+    fresh = _counter_samples(_text(stat_logger))
+    stat_logger.on_scheduler_stats(
+        SchedulerStats(prefix_cache_queries=16, spec_decode_num_drafts=2, spec_decode_num_draft_tokens=6)
+    )
+    text = _text(stat_logger)
+    assert _counter_samples(text) == fresh
+    assert _value(text, f"izh:spec_decode_num_drafts_total{{{LABELS}}}") == 2
+    assert _value(text, f"izh:spec_decode_num_draft_tokens_total{{{LABELS}}}") == 6
+    assert _value(text, f"izh:spec_decode_num_accepted_tokens_total{{{LABELS}}}") == 0
+
+
 def test_each_logger_has_its_own_registry() -> None:
     first, second = _logger(), _logger()
     first.on_new_tokens("r", 5, now=1.0, is_first=True)

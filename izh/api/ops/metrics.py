@@ -267,6 +267,10 @@ class PrometheusStatLogger:
                 num_preemptions=self._num_preemptions.labels(*labels),
                 iteration_tokens=self._iteration_tokens.labels(*labels),
             )
+            # The speculative-decoding counters exist from the start too (at 0 without it), so a
+            # scrape before the core's first stats already lists every counter a later one will.
+            for counter in self._spec_decode.values():
+                counter.labels(*labels)
             self._engines[index] = metrics
         return metrics
 
