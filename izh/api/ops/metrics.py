@@ -106,6 +106,9 @@ class PrometheusStatLogger:
         # One process writes each gauge; "mostrecent" shows its value without a pid label.
         return Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="mostrecent")
 
+    def _counter_family(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, LABELS, registry=self.registry)
+
     def _make_latency_metrics(self) -> None:
         self.ttft = self._histogram(
             "izh:time_to_first_token_seconds",
@@ -202,27 +205,18 @@ class PrometheusStatLogger:
         self._kv_cache_usage = self._gauge_family(
             "izh:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
         )
-        self._prefix_cache_queries = Counter(
-            "izh:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            LABELS,
-            registry=self.registry,
+        self._prefix_cache_queries = self._counter_family(
+            "izh:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
-        self._prefix_cache_hits = Counter(
-            "izh:prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            LABELS,
-            registry=self.registry,
+        self._prefix_cache_hits = self._counter_family(
+            "izh:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
-        self._num_preemptions = Counter(
-            "izh:num_preemptions",
-            "Cumulative number of preemption from the engine.",
-            LABELS,
-            registry=self.registry,
+        self._num_preemptions = self._counter_family(
+            "izh:num_preemptions", "Cumulative number of preemption from the engine."
         )
         # vLLM's speculative decoding counters (vllm/v1/spec_decode/metrics.py).
         self._spec_decode = {
-            key: Counter(f"izh:spec_decode_{key}", help_text, LABELS, registry=self.registry)
+            key: self._counter_family(f"izh:spec_decode_{key}", help_text)
             for key, help_text in (
                 ("num_drafts", "Number of spec decoding drafts."),
                 ("num_draft_tokens", "Number of draft tokens."),
