@@ -183,11 +183,12 @@ def main() -> None:
         table.append(row)
     result = {
         "benchmark": "serve_vs_llamacpp",
-        "git_sha": _sha("."),
+        "git_sha": _sha(str(Path(__file__).resolve().parent)),  # this checkout: the izh under test
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": " ".join(sys.argv),
         "machine": {"platform": platform.platform(), "cores": os.cpu_count(), "cpu": _cpu()},
         "izh_command": izh_cmd,
+        "izh_env": {key: value for key, value in os.environ.items() if key.startswith("IZH_")},
         "llama_command": llama_cmd,
         "baseline": (
             {"dir": args.baseline, "command": base_cmd, "git_sha": _sha(args.baseline)}

@@ -18,8 +18,9 @@ machine's drift hits them alike:
 `--workload write` asks for new code instead (`WRITE_PROMPTS`: short coding tasks), where the answer does not
 repeat the prompt (a draft model's case, not n-gram lookup's).
 `--llama-server BIN` also measures llama.cpp's server on the 1-stream workload, started by hand as
-`BIN -m MODEL -md LLAMA_DRAFT --spec-draft-n-max N -t 2` (speculative decoding with the same draft file),
-alternated with the other two.
+`BIN -m MODEL -md LLAMA_DRAFT --spec-draft-n-max N -t 2` (speculative decoding with the same draft file;
+plus `--spec-type draft-simple` where the binary has that flag, without which it loads the draft and never
+uses it), alternated with the other two; the command is in the JSON.
 Every completion's text is compared between the two servers (greedy: they must be the same).
 `--offline` runs the same workload on two in-process engines (no HTTP; wall and process CPU time).
 Writes one JSON under bench_results/.
@@ -101,6 +102,9 @@ def start_llama_server(
     """llama.cpp's server with speculative decoding by the draft model `draft` (`threads` threads, as izh's)."""
     port = free_port()
     cmd = [binary, "-m", model, "-md", draft, "--spec-draft-n-max", str(draft_max), "-t", str(threads)]
+    # Newer llama-servers load `-md` but draft nothing unless asked: their --spec-type defaults to none.
+    if "--spec-type" in subprocess.run([binary, "--help"], capture_output=True, text=True).stdout:
+        cmd += ["--spec-type", "draft-simple"]
     cmd += ["-tb", str(threads), "-td", str(threads), "-tbd", str(threads)]
     cmd += ["--port", str(port), "-c", "2048", "--alias", "m"]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
@@ -166,7 +170,10 @@ async def one_request(client: httpx.AsyncClient, url: str, messages: list, max_t
 
 
 async def one_stream(url: str, work: list, max_tokens: int) -> dict:
-    async with httpx.AsyncClient(timeout=900) as client:
+    # A connection per request: llama-server closes a kept-alive connection after a streamed response, and a
+    # request sent on it right after fails with "Server disconnected without sending a response".
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=900, limits=limits) as client:
         results = [await one_request(client, url, _messages(*w), max_tokens) for w in work]
     tokens = sum(r["tokens"] for r in results)
     return {
@@ -403,7 +410,12 @@ def main() -> None:
         "workload": args.workload,
         "max_tokens": args.max_tokens,
         "llama_server": (
-            {"binary": args.llama_server, "draft": args.llama_draft, "spec_draft_n_max": args.llama_draft_max}
+            {
+                "binary": args.llama_server,
+                "draft": args.llama_draft,
+                "spec_draft_n_max": args.llama_draft_max,
+                "command": [str(arg) for arg in servers["llama"][0].args],
+            }
             if args.llama_server
             else None
         ),
