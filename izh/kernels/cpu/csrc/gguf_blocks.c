@@ -570,15 +570,113 @@ INLINE void gq_rows8_k(const int type, const uint8_t *w, int64_t row_bytes, int6
 }
 
 
+/* Activation rows from which gq_rows8 takes a 32-input format's codes interleaved (gq_interleave8): in the AVX2
+ * build every 32-input format from 4 rows; with VNNI only the signed ones (Q8_0, IQ4_NL) from 8 rows, the others'
+ * shifted codes with one vpdpbusd and a horizontal sum per row being as fast (bench_results/README.md). */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define GQ_IL_MIN_ROWS 8
+#else
+#define GQ_IL_MIN_ROWS 4
+#endif
+
+/* The 32 codes of 8 weight rows (blk[i].c) as 8 vectors of 4 consecutive inputs per row: lane i of W[j] holds
+ * row i's inputs 4j .. 4j + 3 (an 8 x 8 transpose of 32-bit words). A product with the 4 activations 4j .. 4j + 3
+ * broadcast to every lane then lands in its output's lane: no horizontal sum per block and activation row. */
+INLINE void gq_interleave8(const gq_block *blk, __m256i *W) {
+    __m256i r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_load_si256((const __m256i *)blk[i].c);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);     /* words 0, 1 (and 4, 5) of rows i, i + 1 */
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]); /* words 2, 3 (and 6, 7) */
+    }
+    for (int h = 0; h < 8; h += 4) { /* rows h .. h + 3 */
+        u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);     /* word 0 (4) */
+        u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]); /* word 1 (5) */
+        u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);
+        u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        W[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+        W[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+    }
+}
+
+/* Lane i: row i's 32 codes (W, gq_interleave8's) . the block's 32 activations q. With VNNI the codes are unsigned
+ * (shifted: 0..255). Without, codes 0..31: the pairs of 4 words are summed in 16 bits first (|pair| <= 2 * 31 *
+ * 127, four of them <= 31496); signed codes (A: their magnitudes) take q with their signs, a word at a time. */
+INLINE __m256i gq_dot_il(const __m256i *W, const __m256i *A, const int8_t *q) {
+    int32_t x4[8];
+    memcpy(x4, q, 32);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    (void)A;
+    __m256i t = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) t = _mm256_dpbusd_epi32(t, W[j], _mm256_set1_epi32(x4[j]));
+    return t;
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (A) {
+        __m256i t = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const __m256i sq = _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), W[j]);
+            t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(A[j], sq), ones));
+        }
+        return t;
+    }
+    __m256i lo = _mm256_maddubs_epi16(W[0], _mm256_set1_epi32(x4[0]));
+    __m256i hi = _mm256_maddubs_epi16(W[4], _mm256_set1_epi32(x4[4]));
+    for (int j = 1; j < 4; j++) {
+        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(W[j], _mm256_set1_epi32(x4[j])));
+        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(W[4 + j], _mm256_set1_epi32(x4[4 + j])));
+    }
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+#endif
+}
+
+/* Lane i: the integer sum of weight row i's block (blk[i], decoded; sv its 16-bit scales when bs = 256) with the
+ * 32 or 256 activations q, one row's products at a time and a horizontal sum. `uns`: 32 unsigned codes (VNNI). */
+INLINE __m256i gq_sums8(const gq_block *blk, __m256i sv[8][8], const int8_t *q, const int bs, const int uns) {
+    __m256i t[8];
+    const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones, (void)uns; /* the VNNI build has no use for ones, the AVX2 build none for uns */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    if (uns) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)q);
+        for (int i = 0; i < 8; i++)
+            t[i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_load_si256((const __m256i *)blk[i].c), xv);
+        return gq_reduce8(t);
+    }
+#endif
+    for (int i = 0; i < 8; i++) {
+        __m256i a = _mm256_setzero_si256();
+        for (int r = 0; r < bs / 32; r++) {
+            const __m256i c = _mm256_load_si256((const __m256i *)(blk[i].c + 32 * r));
+            const __m256i sq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + 32 * r)), c);
+            if (bs == 256) {
+                a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), sq), sv[i][r]));
+            } else {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                a = _mm256_dpbusd_epi32(a, _mm256_abs_epi8(c), sq);
+#else
+                a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), sq), ones));
+#endif
+            }
+        }
+        t[i] = a;
+    }
+    return gq_reduce8(t);
+}
+
 /* Output rows [n0, n0 + 8) for activation rows [m0, m1): gq_rows' arithmetic, 8 outputs in the lanes of
  * one vector, so that the epilogue (the same operations per output, in the same order) runs once for all
  * 8 and no per-block horizontal sum stands in the way. Sub-block scales are applied in 16-bit lanes
  * (vpmaddwd of the pair sums by the scale: |pair| <= 32512, |scale| <= 128).
- * With VNNI, Q4_0, Q5_0, Q4_1 and Q5_1 codes plus a constant `off` (8, 16, 0, 0) are unsigned (0..31), so
- * c . q = (c + off) . q - off * (the block's sum of q, its two qs16): each block's codes are shifted once,
- * and each activation row's products are one vpdpbusd on them, without the sign and magnitude that signed
- * codes need per row. The same integers, so the same bits. A decode step of Qwen2.5-Coder-0.5B Q4_K_M (mostly
- * Q5_0), alternated runs: 1.1x at 8 rows (avx512), 1.1-1.2x at 4 rows (amx); bench_results/README.md. */
+ * Q4_0, Q5_0, Q4_1 and Q5_1 codes plus a constant `off` (8, 16, 0, 0) are unsigned (0..31), and with VNNI
+ * signed bytes plus 128 are too (0..255), so c . q = (c + off) . q - off * (the block's sum of q, its two qs16):
+ * each block's codes are shifted once, and each activation row's products need no sign and magnitude per row.
+ * With VNNI the small codes take one vpdpbusd a row (1.1x at 8 rows of a Qwen2.5-Coder-0.5B Q4_K_M decode step,
+ * avx512; 1.1-1.2x at 4 rows, amx). From GQ_IL_MIN_ROWS rows the 32-input codes are interleaved (gq_interleave8),
+ * so that the sums land in their output's lane (a 32-row step of that model in the AVX2 build 1.24x). The same
+ * integers either way, so the same bits. bench_results/README.md. */
 INLINE void gq_rows8(const int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t m0, int64_t m1,
                      int64_t K, const int8_t *xq, const float *dx, const float *ex, const int32_t *qs16, float *out,
                      int64_t os) {
@@ -589,14 +687,19 @@ INLINE void gq_rows8(const int type, const uint8_t *w, int64_t row_bytes, int64_
     gq_block blk[8];
     __m256i sv[8][8];
     __m256 acc[GQ_MC];
-    const __m256i ones = _mm256_set1_epi16(1);
-    (void)ones; /* the VNNI build has no use for it */
+    /* codes 0..31 after a shift of `small_off`; the other 32-input formats' (Q8_0, IQ4_NL) are signed bytes */
+    const int small = type == GQ_Q4_0 || type == GQ_Q5_0 || type == GQ_Q4_1 || type == GQ_Q5_1;
+    const int small_off = type == GQ_Q4_0 ? 8 : type == GQ_Q5_0 ? 16 : 0;
+    __m256i W[8], A[8];
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    const int uns = type == GQ_Q4_0 || type == GQ_Q5_0 || type == GQ_Q4_1 || type == GQ_Q5_1;
+    const int il = bs == 32 && !small && m1 - m0 >= GQ_IL_MIN_ROWS;
+    const int uns = small || il; /* vpdpbusd on unsigned codes: signed ones + 128 */
+    const int off = small ? small_off : il ? 128 : 0;
 #else
-    const int uns = 0; /* vpmaddubsw + vpmaddwd on shifted codes measured no faster (the README's section) */
+    const int il = bs == 32 && m1 - m0 >= GQ_IL_MIN_ROWS;
+    const int uns = il && small; /* not below: vpmaddubsw + vpmaddwd on shifted codes measured no faster */
+    const int off = uns ? small_off : 0;
 #endif
-    const int off = !uns ? 0 : type == GQ_Q4_0 ? 8 : type == GQ_Q5_0 ? 16 : 0;
     for (int64_t m = m0; m < m1; m++) acc[m - m0] = _mm256_setzero_ps();
     const char *next = (const char *)(w + (n0 + 8) * row_bytes);
     const int64_t slice = (8 * row_bytes / blocks + 63) & ~(int64_t)63;
@@ -616,38 +719,16 @@ INLINE void gq_rows8(const int type, const uint8_t *w, int64_t row_bytes, int64_
                                                  _mm_set1_epi16((int16_t)blk[i].s[2 * r + 1]));
         }
         const __m256 dwv = _mm256_loadu_ps(dw), mwv = _mm256_loadu_ps(mw);
+        if (il) {
+            gq_interleave8(blk, W);
+            if (!uns)
+                for (int j = 0; j < 8; j++) A[j] = _mm256_abs_epi8(W[j]);
+        }
         for (int64_t m = m0; m < m1; m++) {
             const int8_t *q = xq + m * K + b * bs;
-            __m256i t[8];
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-            if (uns) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)q);
-                for (int i = 0; i < 8; i++)
-                    t[i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_load_si256((const __m256i *)blk[i].c), xv);
-            } else
-#endif
-            {
-                for (int i = 0; i < 8; i++) {
-                    __m256i a = _mm256_setzero_si256();
-                    for (int r = 0; r < nr; r++) {
-                        const __m256i c = _mm256_load_si256((const __m256i *)(blk[i].c + 32 * r));
-                        const __m256i sq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + 32 * r)), c);
-                        if (bs == 256) {
-                            a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), sq), sv[i][r]));
-                        } else {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                            a = _mm256_dpbusd_epi32(a, _mm256_abs_epi8(c), sq);
-#else
-                            a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), sq), ones));
-#endif
-                        }
-                    }
-                    t[i] = a;
-                }
-            }
+            __m256i isum = il ? gq_dot_il(W, uns ? NULL : A, q) : gq_sums8(blk, sv, q, bs, uns);
             const int64_t g = m * blocks + b;
             const __m256 vdx = _mm256_set1_ps(dx[g]);
-            __m256i isum = gq_reduce8(t);
             if (off) {
                 const int32_t *s16 = qs16 + m * (K / 16) + 2 * b;
                 isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(off * (s16[0] + s16[1])));
