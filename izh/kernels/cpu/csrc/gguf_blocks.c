@@ -579,12 +579,12 @@ INLINE void gq_rows8_k(const int type, const uint8_t *w, int64_t row_bytes, int6
 #define GQ_IL_MIN_ROWS 4
 #endif
 
-/* The 32 codes of 8 weight rows (blk[i].c) as 8 vectors of 4 consecutive inputs per row: lane i of W[j] holds
+/* The 32 codes of 8 weight rows (blk[i].c + at) as 8 vectors of 4 consecutive inputs per row: lane i of W[j] holds
  * row i's inputs 4j .. 4j + 3 (an 8 x 8 transpose of 32-bit words). A product with the 4 activations 4j .. 4j + 3
  * broadcast to every lane then lands in its output's lane: no horizontal sum per block and activation row. */
-INLINE void gq_interleave8(const gq_block *blk, __m256i *W) {
+INLINE void gq_interleave8(const gq_block *blk, int at, __m256i *W) {
     __m256i r[8], t[8], u[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_load_si256((const __m256i *)blk[i].c);
+    for (int i = 0; i < 8; i++) r[i] = _mm256_load_si256((const __m256i *)(blk[i].c + at));
     for (int i = 0; i < 8; i += 2) {
         t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);     /* words 0, 1 (and 4, 5) of rows i, i + 1 */
         t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]); /* words 2, 3 (and 6, 7) */
@@ -720,7 +720,7 @@ INLINE void gq_rows8(const int type, const uint8_t *w, int64_t row_bytes, int64_
         }
         const __m256 dwv = _mm256_loadu_ps(dw), mwv = _mm256_loadu_ps(mw);
         if (il) {
-            gq_interleave8(blk, W);
+            gq_interleave8(blk, 0, W);
             if (!uns)
                 for (int j = 0; j < 8; j++) A[j] = _mm256_abs_epi8(W[j]);
         }
@@ -751,9 +751,87 @@ INLINE void gq_rows8(const int type, const uint8_t *w, int64_t row_bytes, int64_
     gq_store8(acc, m0, m1, out, os, n0);
 }
 
+/* Activation rows from which Q4_K matmuls take gq_rows8_q4k_il rather than gq_rows8_k: in the AVX2 build from 8
+ * (one 896 x 4864 matmul, one thread: 1.2x at 8 rows, 1.5x at 32-64, even at 4); the VNNI builds keep gq_rows8_k,
+ * which measured about as fast there (bench_results/README.md; the amx build's tiles take Q4_K from 4 rows). */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define GQ_IL_Q4K_MIN_ROWS 0 /* never */
+#else
+#define GQ_IL_Q4K_MIN_ROWS 8
+#endif
+
+/* Output rows [n0, n0 + 8) of a Q4_K weight for activation rows [m0, m1): gq_rows8_k's integers and epilogue with
+ * each 32-input sub-block's codes interleaved (gq_interleave8), so that the sums land in their output's lane. The
+ * codes are unpacked and interleaved once per block for every activation row (gq_rows8_k unpacks them again for
+ * each). A sub-block's 8 vpmaddubsw sum in 16 bits (codes 0..15: |sum| <= 8 * 2 * 15 * 127 = 30480), then one
+ * vpmaddwd by the sub-block's scale, held in both 16-bit halves of each row's lane; the mins' sum by vpmaddwd of
+ * two sub-blocks' mins against their sums of q (16-bit: |sum| <= 32 * 127). The same integers, so the same bits. */
+INLINE void gq_rows8_q4k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t m0, int64_t m1, int64_t K,
+                            const int8_t *xq, const float *dx, const int32_t *qs16, float *out, int64_t os) {
+    const int64_t blocks = K / 256;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc[GQ_MC];
+    for (int64_t m = m0; m < m1; m++) acc[m - m0] = _mm256_setzero_ps();
+    const char *next = (const char *)(w + (n0 + 8) * row_bytes);
+    const int64_t slice = (8 * row_bytes / blocks + 63) & ~(int64_t)63;
+    gq_block codes[8]; /* row i's 256 codes in input order (only .c is used) */
+    __m256i W[8][8];   /* sub-block j, word v: lane i holds row i's inputs 32 j + 4 v .. 32 j + 4 v + 3 */
+    __m256i SC[8], MN[4];
+    for (int64_t b = 0; b < blocks; b++) {
+        gq_prefetch_slice(next, b, slice);
+        float dw[8], mw[8];
+        int32_t sc[8][8], mn[8][8]; /* [sub-block][row] */
+        for (int i = 0; i < 8; i++) {
+            const uint8_t *p = w + (n0 + i) * row_bytes + b * 144;
+            dw[i] = gq_f16(p);
+            mw[i] = gq_f16(p + 2);
+            for (int j = 0; j < 8; j++) gq_scale_min_k4(j, p + 4, &sc[j][i], &mn[j][i]);
+            for (int g = 0; g < 4; g++) { /* 64 inputs: sub-blocks 2g (low nibbles) and 2g + 1 (high) */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * g));
+                _mm256_store_si256((__m256i *)(codes[i].c + 64 * g), _mm256_and_si256(v, m4));
+                _mm256_store_si256((__m256i *)(codes[i].c + 64 * g + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+            }
+        }
+        for (int j = 0; j < 8; j++) {
+            gq_interleave8(codes, 32 * j, W[j]);
+            int32_t s2[8];
+            for (int i = 0; i < 8; i++) s2[i] = sc[j][i] * 0x10001;
+            SC[j] = _mm256_loadu_si256((const __m256i *)s2);
+        }
+        for (int h = 0; h < 4; h++) {
+            int32_t m2[8];
+            for (int i = 0; i < 8; i++) m2[i] = mn[2 * h][i] | (mn[2 * h + 1][i] << 16);
+            MN[h] = _mm256_loadu_si256((const __m256i *)m2);
+        }
+        const __m256 dwv = _mm256_loadu_ps(dw), mwv = _mm256_loadu_ps(mw);
+        for (int64_t m = m0; m < m1; m++) {
+            int32_t x4[64];
+            memcpy(x4, xq + m * K + b * 256, 256);
+            const int32_t *s16q = qs16 + m * (K / 16) + b * 16;
+            __m256i isum = _mm256_setzero_si256(), msum = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                __m256i s = _mm256_maddubs_epi16(W[j][0], _mm256_set1_epi32(x4[8 * j]));
+                for (int v = 1; v < 8; v++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(W[j][v], _mm256_set1_epi32(x4[8 * j + v])));
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s, SC[j]));
+            }
+            for (int h = 0; h < 4; h++) {
+                const uint32_t qa = (uint16_t)(s16q[4 * h] + s16q[4 * h + 1]), qb = (uint16_t)(s16q[4 * h + 2] + s16q[4 * h + 3]);
+                msum = _mm256_add_epi32(msum, _mm256_madd_epi16(MN[h], _mm256_set1_epi32((int32_t)(qa | (qb << 16)))));
+            }
+            int32_t ms[8];
+            _mm256_storeu_si256((__m256i *)ms, msum);
+            const __m256 vdx = _mm256_set1_ps(dx[m * blocks + b]);
+            acc[m - m0] = gq_epilogue8_mins(gq_epilogue8(acc[m - m0], isum, dwv, vdx), ms, mwv, vdx);
+        }
+    }
+    gq_store8(acc, m0, m1, out, os, n0);
+}
+
 #define GQ_ROWS(T)                                                                                            \
     do {                                                                                                      \
         int64_t n = n0;                                                                                       \
+        if (T == GQ_Q4_K && GQ_IL_Q4K_MIN_ROWS && m1 - m0 >= GQ_IL_Q4K_MIN_ROWS)                              \
+            for (; n + 8 <= n1; n += 8) gq_rows8_q4k_il(w, row_bytes, n, m0, m1, K, xq, dx, qs16, out, os);    \
         if (T == GQ_Q4_K || (T == GQ_Q6_K && m1 - m0 <= GQ_Q6K_DIRECT_ROWS))                                   \
             for (; n + 8 <= n1; n += 8) gq_rows8_k(T, w, row_bytes, n, m0, m1, K, xq, dx, qs16, out, os);     \
         for (; n + 8 <= n1; n += 8) gq_rows8(T, w, row_bytes, n, m0, m1, K, xq, dx, ex, qs16, out, os);       \
