@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
 
 import httpx
 
@@ -414,7 +415,7 @@ def main() -> None:
                 "binary": args.llama_server,
                 "draft": args.llama_draft,
                 "spec_draft_n_max": args.llama_draft_max,
-                "command": [str(arg) for arg in servers["llama"][0].args],
+                "command": [str(arg) for arg in cast("list[str]", servers["llama"][0].args)],
             }
             if args.llama_server
             else None
