@@ -100,14 +100,14 @@ class PrometheusStatLogger:
         return metric.labels(*self._labels)
 
     def _counter(self, name: str, doc: str) -> Any:
-        return Counter(name, doc, LABELS, registry=self.registry).labels(*self._labels)
+        return self._counter_family(name, doc).labels(*self._labels)
 
     def _gauge_family(self, name: str, doc: str, labels: tuple[str, ...] = LABELS) -> Gauge:
         # One process writes each gauge; "mostrecent" shows its value without a pid label.
         return Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="mostrecent")
 
-    def _counter_family(self, name: str, doc: str) -> Counter:
-        return Counter(name, doc, LABELS, registry=self.registry)
+    def _counter_family(self, name: str, doc: str, labels: tuple[str, ...] = LABELS) -> Counter:
+        return Counter(name, doc, labels, registry=self.registry)
 
     def _make_latency_metrics(self) -> None:
         self.ttft = self._histogram(
@@ -163,11 +163,10 @@ class PrometheusStatLogger:
         self.generation_tokens = self._counter(
             "izh:generation_tokens", "Number of generation tokens processed."
         )
-        success = Counter(
+        success = self._counter_family(
             "izh:request_success",
             "Count of successfully processed requests.",
-            [*LABELS, "finished_reason"],
-            registry=self.registry,
+            (*LABELS, "finished_reason"),
         )
         # Every reason exists from the start, so rate() over a reason never sees a missing series.
         self.request_success = {reason: success.labels(*self._labels, reason) for reason in FINISH_REASONS}
@@ -181,12 +180,11 @@ class PrometheusStatLogger:
             "izh:request_params_n", "Histogram of the n request parameter.", buckets.N_BUCKETS
         )
         # izh's own (vLLM has none): admitted requests by route.
-        self.api_requests = Counter(
+        self.api_requests = self._counter_family(
             "izh:api_requests",
             "Count of admitted requests by API endpoint (its path: /v1/chat/completions, /v1/completions, "
             "/v1/responses, /v1/embeddings).",
-            [*LABELS, "endpoint"],
-            registry=self.registry,
+            (*LABELS, "endpoint"),
         )
         for endpoint in API_ENDPOINTS:  # every series exists from the start, at 0
             self.api_requests.labels(*self._labels, endpoint)
@@ -223,11 +221,10 @@ class PrometheusStatLogger:
                 ("num_accepted_tokens", "Number of accepted tokens."),
             )
         }
-        self._spec_decode_per_pos = Counter(
+        self._spec_decode_per_pos = self._counter_family(
             "izh:spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.",
-            [*LABELS, "position"],
-            registry=self.registry,
+            (*LABELS, "position"),
         )
         # vLLM's legacy quirk: a histogram whose name already ends in _total.
         self._iteration_tokens = Histogram(
@@ -238,12 +235,11 @@ class PrometheusStatLogger:
             registry=self.registry,
         )
         # izh's own: data-parallel routing (izh.frontend.dp_router), by core and kind.
-        self._dp_routed = Counter(
+        self._dp_routed = self._counter_family(
             "izh:dp_routed_requests",
             "Requests routed to a data-parallel engine core, by route: affinity (to the core holding its "
             "prompt prefix), rebalanced (that core was too busy or dead), load (no known prefix).",
-            [*LABELS, "route"],
-            registry=self.registry,
+            (*LABELS, "route"),
         )
         if self.engine_metrics:
             self._engine(0)  # a single core's series exist from the start
@@ -282,23 +278,20 @@ class PrometheusStatLogger:
                 multiprocess_mode="mostrecent",
             )
             self.lora_requests_info.labels(str(self.max_loras), "", "").set(time.time())
-        self.lora_requests = Counter(
+        self.lora_requests = self._counter_family(
             "izh:lora_requests",
             "Count of finished requests by LoRA adapter (lora_name) and finish reason.",
-            [*LABELS, "lora_name", "finished_reason"],
-            registry=self.registry,
+            (*LABELS, "lora_name", "finished_reason"),
         )
-        self.lora_prompt_tokens = Counter(
+        self.lora_prompt_tokens = self._counter_family(
             "izh:lora_prompt_tokens",
             "Prompt tokens of finished requests, by LoRA adapter.",
-            [*LABELS, "lora_name"],
-            registry=self.registry,
+            (*LABELS, "lora_name"),
         )
-        self.lora_generation_tokens = Counter(
+        self.lora_generation_tokens = self._counter_family(
             "izh:lora_generation_tokens",
             "Generated tokens of finished requests, by LoRA adapter.",
-            [*LABELS, "lora_name"],
-            registry=self.registry,
+            (*LABELS, "lora_name"),
         )
         self._lora_info_labels = (str(self.max_loras), "", "")
 
