@@ -686,6 +686,7 @@ def _run_entry(outcome: RunOutcome, options: BenchOptions, token_source: str) ->
     )
     entry["output_tokens_from"] = token_source
     entry["interrupted"] = outcome.interrupted
+    entry["retried_stale_connections"] = outcome.retried
     return entry
 
 

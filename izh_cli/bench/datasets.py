@@ -104,16 +104,21 @@ class DatasetSpec:
 
 
 class ServerTokenizer:
-    """Counts tokens with the server's ``POST /tokenize`` (vLLM's shape: ``{"count"}`` or ``{"tokens"}``)."""
+    """Counts tokens with the server's ``POST /tokenize``: vLLM's shape (``{"prompt"}`` in, ``{"count"}`` or
+    ``{"tokens"}`` out) or llama.cpp's (``{"content"}`` in, ``{"tokens"}`` out)."""
 
-    def __init__(self, client: httpx.AsyncClient, url: str, model: str) -> None:
+    def __init__(self, client: httpx.AsyncClient, url: str, model: str, shape: str = "vllm") -> None:
         self._client = client
         self._url = url
         self._model = model
+        self.shape = shape
         self.tokens_per_word = TOKENS_PER_WORD_GUESS
 
     async def count(self, text: str) -> int:
-        body = {"model": self._model, "prompt": text, "add_special_tokens": False}
+        if self.shape == "llama.cpp":
+            body: dict[str, Any] = {"content": text, "add_special": False}
+        else:
+            body = {"model": self._model, "prompt": text, "add_special_tokens": False}
         response = await self._client.post(self._url, json=body)
         response.raise_for_status()
         data = response.json()
@@ -123,16 +128,20 @@ class ServerTokenizer:
 
     @classmethod
     async def probe(cls, client: httpx.AsyncClient, urls: ServerUrls, model: str) -> ServerTokenizer | None:
-        """A tokenizer calibrated on the word list, or None when the server has no usable /tokenize."""
-        tokenizer = cls(client, f"{urls.root}/tokenize", model)
-        try:
-            num_tokens = await tokenizer.count(" ".join(WORDS))
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            return None
-        if num_tokens <= 0:
-            return None
-        tokenizer.tokens_per_word = num_tokens / len(WORDS)
-        return tokenizer
+        """A tokenizer calibrated on the word list, or None when the server has no usable /tokenize.
+
+        vLLM's request shape first; llama-server answers it with no tokens (it reads ``content``), so an
+        empty answer tries llama.cpp's shape before giving up."""
+        for shape in ("vllm", "llama.cpp"):
+            tokenizer = cls(client, f"{urls.root}/tokenize", model, shape)
+            try:
+                num_tokens = await tokenizer.count(" ".join(WORDS))
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return None
+            if num_tokens > 0:
+                tokenizer.tokens_per_word = num_tokens / len(WORDS)
+                return tokenizer
+        return None
 
 
 # --- fitting prompts to a token length ----------------------------------------------------------------

@@ -55,6 +55,8 @@ class LiveCounters:
     errors: int = 0
     chunks: int = 0
     in_flight: int = 0
+    retried: int = 0
+    """Requests sent again after a kept-alive connection closed without an answer."""
 
 
 @dataclass(slots=True)
@@ -67,6 +69,8 @@ class RunOutcome:
     interrupted: bool = False
     texts: dict[int, str] = field(default_factory=dict)
     """Generated text of the successful requests whose server sent no usage (to count tokens later)."""
+    retried: int = 0
+    """Sends repeated after a kept-alive connection closed without an answer (LiveCounters.retried)."""
 
 
 def arrival_gaps(request_rate: float, burstiness: float, rng: random.Random) -> Iterator[float]:
@@ -219,6 +223,8 @@ class StreamRecorder:
 
 
 STREAMS_PER_CLIENT = 16
+STALE_RETRIES = 3
+"""Times a request is sent again after a kept-alive connection closed without an answer."""
 
 
 def make_clients(
@@ -279,7 +285,7 @@ class Runner:
             dispatcher.result()  # re-raise a bug in the dispatcher rather than hide it
         duration = time.perf_counter() - self.started_at
         records = [r for r in self._records if r.error != INTERRUPTED]
-        return RunOutcome(self.config, records, duration, interrupted, self._texts)
+        return RunOutcome(self.config, records, duration, interrupted, self._texts, self.counters.retried)
 
     async def _dispatch(self) -> None:
         config = self.config
@@ -329,7 +335,18 @@ class Runner:
         start = time.perf_counter()
         record.start_s = start - self.started_at
         try:
-            text, usage_seen = await self._stream(client, record, payload, start)
+            for attempt in itertools.count():
+                try:
+                    text, usage_seen = await self._stream(client, record, payload, start)
+                    break
+                except httpx.RemoteProtocolError:
+                    # A kept-alive connection that the server closed without answering: llama-server
+                    # closes one after each stream without saying so, and the next request sent on it
+                    # fails before any byte comes back. Nothing reached the server's model, so the
+                    # request goes again on another connection (the broken one has left the pool).
+                    if record.num_chunks or record.ttft_s is not None or attempt >= STALE_RETRIES:
+                        raise
+                    counters.retried += 1
             if record.ok and not usage_seen:
                 self._texts[index] = text
         except asyncio.CancelledError:

@@ -44,7 +44,8 @@ class FakeConfig:
     metrics_prefix: Literal["izh:", "vllm:"] = "izh:"
     usage: bool = True
     """Send the usage chunk when the client asks for it (include_usage)."""
-    tokenize: bool = True
+    tokenize: bool | Literal["llama.cpp"] = True
+    """False: no /tokenize (404); "llama.cpp": llama-server's request shape (`content` in, `tokens` out)."""
     natural_len: int = 8
     """Tokens a completion generates before its "EOS" when ignore_eos is not set."""
     token_delay_s: float = 0.0
@@ -327,6 +328,10 @@ class FakeServer:
             if not config.tokenize:
                 return _error(404, "Not Found")
             body = await request.json()
+            if (
+                config.tokenize == "llama.cpp"
+            ):  # reads `content`; any other field is ignored, as llama-server does
+                return JSONResponse({"tokens": list(range(len(str(body.get("content", "")).split())))})
             count = len(self._prompt_text(body).split())
             return JSONResponse({"count": count, "tokens": list(range(count)), "max_model_len": 4096})
 

@@ -4,11 +4,13 @@ fake OpenAI-compatible server (errors by kind, JSON result, sweep, compare, Ctrl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
 import random
 import signal
+import socket
 import statistics
 import threading
 from pathlib import Path
@@ -238,17 +240,18 @@ def test_resolve_urls() -> None:
         resolve_urls("localhost:8000")
 
 
-def test_random_prompts_are_fitted_to_exact_lengths_with_the_server_tokenizer() -> None:
+@pytest.mark.parametrize("shape", ["vllm", "llama.cpp"])
+def test_random_prompts_are_fitted_to_exact_lengths_with_the_server_tokenizer(shape: str) -> None:
     async def build(url: str) -> tuple[list[Sample], list[Sample]]:
         async with httpx.AsyncClient() as client:
             tokenizer = await ServerTokenizer.probe(client, resolve_urls(url), "fake-model")
-            assert tokenizer is not None and tokenizer.tokens_per_word == 1.0
+            assert tokenizer is not None and tokenizer.tokens_per_word == 1.0 and tokenizer.shape == shape
             spec = DatasetSpec("random", input_len=50, output_len=7, range_ratio=0.2, prefix_len=10, seed=3)
             first = await build_samples(spec, 12, tokenizer)
             again = await build_samples(spec, 12, tokenizer)
             return first, again
 
-    with fake_server() as (url, _):
+    with fake_server(FakeConfig(tokenize=True if shape == "vllm" else "llama.cpp")) as (url, _):
         samples, again = asyncio.run(build(url))
     assert [s.prompt for s in samples] == [s.prompt for s in again]  # seeded
     prefixes = {" ".join(s.prompt.split()[:10]) for s in samples}
@@ -541,3 +544,79 @@ def test_ctrl_c_prints_partial_results_and_exits_130(tmp_path: Path) -> None:
     assert doc["interrupted"] is True
     assert doc["runs"][0]["metrics"]["completed"] == 4
     assert doc["runs"][0]["metrics"]["failed"] == 0
+
+
+def _one_stream_per_connection_server() -> tuple[str, socket.socket, threading.Thread, list[int]]:
+    """A raw HTTP/1.1 server that acts like llama-server after a stream: it answers the first request on a
+    connection (an SSE completion, kept alive: no ``Connection: close``) and closes the connection without
+    answering when a second request arrives on it. ``answered`` counts the streams it sent."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(20)
+    answered: list[int] = []
+    chunk = json.dumps({"choices": [{"index": 0, "text": "tok ", "finish_reason": None}]})
+    usage = json.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+    events = f"data: {chunk}\n\ndata: {chunk}\n\ndata: {usage}\n\ndata: [DONE]\n\n".encode()
+    response = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n" % len(events)
+    ) + events
+
+    def read_request(conn: socket.socket) -> bool:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            part = conn.recv(65536)
+            if not part:
+                return False
+            data += part
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        )
+        while len(body) < length:
+            body += conn.recv(65536)
+        return True
+
+    def handle(conn: socket.socket) -> None:
+        with conn:
+            if read_request(conn):
+                conn.sendall(response)
+                answered.append(1)
+                read_request(conn)  # the next request on this connection: dropped unanswered
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    host, port = listener.getsockname()
+    return f"http://{host}:{port}", listener, thread, answered
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_a_kept_alive_connection_closed_unanswered_is_retried_not_failed(concurrency: int) -> None:
+    url, listener, _thread, answered = _one_stream_per_connection_server()
+
+    async def main() -> Any:
+        config = RunConfig(
+            url=f"{url}/v1/completions",
+            endpoint="completions",
+            model="m",
+            concurrency=concurrency,
+            num_requests=8,
+        )
+        async with httpx.AsyncClient() as client:
+            return await Runner(client, config, [Sample("hello", 3, 2)]).run()
+
+    try:
+        outcome = asyncio.run(main())
+    finally:
+        listener.close()
+    assert [r.error for r in outcome.records] == [None] * 8
+    assert all(r.ok and r.output_tokens == 2 for r in outcome.records)
+    assert len(answered) == 8
+    # Every request after a connection's first was sent on a kept-alive one that the server then dropped.
+    assert outcome.retried >= 8 - concurrency
