@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from izh import LLM, SamplingParams
 from izh.errors import LoraAdapterError, ModelNotFound
@@ -246,13 +247,34 @@ def test_smollm2_with_a_random_peft_adapter_equals_transformers(smollm2_gguf: st
     assert ours[0] != ours[1]
 
 
+# How far the packed path's choice may sit below the reference's best, in nats. The int4 records hold the
+# file's weights exactly, but the activations go into every matmul as int8 per 32 inputs and the LM head
+# runs as int8 records: on SmolLM2 that puts a token's logprob up to ~0.1 nats from float32 transformers,
+# and a tiny float difference between kernel builds (FMA contraction in attention) can flip an int8
+# rounding, so builds part at different near-ties (measured: the same prefix's top logprobs 0.01-0.03
+# nats apart between the generic, avx2 and avx512 builds; the avx2 build's first divergence on these
+# prompts sits 0.094 below the reference's best). A wrong or missing adapter moves them by far more: the
+# test's control checks that the base model alone fails this bound.
+PACKED_LORA_NATS = 0.15
+
+
+def _first_gap(ours: list[int], ref: torch.Tensor) -> float:
+    """The reference's best logprob minus that of our token at our first different token (0 if none)."""
+    for step, token in enumerate(ours):
+        best = int(ref[step].argmax())
+        if token != best:
+            return float(ref[step, best] - ref[step, token])
+    return 0.0
+
+
 @pytest.mark.slow
 def test_smollm2_default_packed_with_an_adapter_equals_peft_but_for_near_ties(
     smollm2_gguf: str, tmp_path: Path
 ) -> None:
     """The default settings (int4 records, float32 activations, int8 inside the matmuls) with an adapter:
     greedy tokens equal transformers + peft on the dequantized GGUF, a divergence accepted only where the
-    reference's top two log-probabilities are within 0.05 nats (after it the texts may part)."""
+    reference's top two log-probabilities are within PACKED_LORA_NATS (after it the texts may part); the
+    same engine without the adapter does not pass that check."""
     adapter = build_peft_adapter(smollm2_gguf, tmp_path / "smol", r=8, alpha=16, targets=ALL_TARGETS)
     llm = LLM(smollm2_gguf, kv_cache_memory_bytes=64 << 20, max_model_len=512, lora_modules={"smol": adapter})
     assert llm.engine_core.runner.quantization == "int4"
@@ -260,13 +282,16 @@ def test_smollm2_default_packed_with_an_adapter_equals_peft_but_for_near_ties(
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
     prompts = [tokenizer.encode(t) for t in texts]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_name="smol")
-    for prompt, out in zip(prompts, outputs, strict=True):
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    with_adapter = llm.generate(batch, params, lora_name="smol")
+    without = llm.generate(batch, params)
+    control_gaps = []
+    for prompt, out, base in zip(prompts, with_adapter, without, strict=True):
         ours = out.outputs[0].token_ids
         ref = peft_logprobs(smollm2_gguf, adapter, prompt + ours)[len(prompt) - 1 : -1]
-        for step, token in enumerate(ours):
-            best = int(ref[step].argmax())
-            if token != best:
-                gap = float(ref[step, best] - ref[step, token])
-                assert gap < 0.05, f"{tokenizer.decode(prompt)!r}: token {step} differs, gap {gap:.3f} nats"
-                break
+        gap = _first_gap(ours, ref)
+        assert gap < PACKED_LORA_NATS, f"{tokenizer.decode(prompt)!r}: differs from peft, gap {gap:.3f} nats"
+        base_ids = base.outputs[0].token_ids
+        base_ref = peft_logprobs(smollm2_gguf, adapter, prompt + base_ids)[len(prompt) - 1 : -1]
+        control_gaps.append(_first_gap(base_ids, base_ref))
+    assert max(control_gaps) > PACKED_LORA_NATS, control_gaps  # the check tells an adapter from none
