@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -95,7 +96,9 @@ def test_config_show_precedence_file_env_flag(tmp_path: Path) -> None:
     assert data["engine"]["enable_prefix_caching"] is False
 
 
-def test_config_show_output_is_a_valid_config_file(tmp_path: Path) -> None:
+def test_config_show_output_is_a_valid_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in os.environ if n.startswith("IZH_")]:  # `config show` reads the environment
+        monkeypatch.delenv(name)
     args = [
         "config",
         "show",
