@@ -5,7 +5,9 @@ router's logits, the k most probable, renormalized where the model says), then r
 the rows routed to it: the step's (token, expert) pairs are sorted by expert, each expert's rows gathered
 into one slice and sent through that expert's gate_up and down linears (packed like any other linear by
 `izh.model.packing`: no dense per-expert copies), and each token's outputs are added back in ascending
-expert order, weighted. The loop is over the experts that have rows, never over tokens.
+expert order, weighted. The loop is over the experts that have rows, never over tokens; with float32
+activations and every expert in izh's records it runs in C (`moe_experts`: one call a layer instead of
+a few Python calls an expert, the same kernel calls, so the same bits).
 
 Batch invariance: a token's experts and weights come from its own row only (the C router), and its
 outputs are summed in an order fixed by its own experts; what remains batch-dependent is what the
@@ -19,13 +21,15 @@ names are renamed onto these by the loader, GGUF's 3-D `ffn_*_exps` tensors spli
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 
 from izh.errors import ModelLoadError
-from izh.kernels.cpu.moe import moe_route
+from izh.kernels.cpu.moe import moe_experts, moe_route
 from izh.model.config import ModelConfig, MoeConfig
+from izh.model.fused_stack import linear_fields
 from izh.model.layers import GatedMLP
 from izh.model.llama import LlamaForCausalLM
 from izh.model.lora import LoraModel
@@ -54,20 +58,47 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(
             GatedMLP(hidden_size, moe.expert_intermediate_size, dtype=dtype) for _ in range(moe.num_experts)
         )
+        self.intermediate_size = moe.expert_intermediate_size
+        self._expert_table: Tensor | None = None
+        self._expert_table_built = False
+        self._expert_parts: list[Tensor] = []
+
+    def expert_table(self) -> Tensor | None:
+        """int64 [E, EXPERT_FIELDS]: each expert's gate_up and down as the C experts loop reads them (izh's
+        float32 records or a GGUF file's blocks), or None where an expert's linears are not packed so.
+        Built on the first call, after loading and packing have settled the weights."""
+        if not self._expert_table_built:
+            self._expert_table_built = True
+            keep: list[Tensor] = []
+            rows = []
+            for expert in cast("list[GatedMLP]", list(self.experts)):
+                gate_up = linear_fields(expert.gate_up_proj, torch.float32, keep)
+                down = linear_fields(expert.down_proj, torch.float32, keep)
+                if gate_up is None or down is None:
+                    return None
+                rows.append(gate_up + down)
+            self._expert_table = torch.tensor(rows, dtype=torch.int64)
+            self._expert_parts = keep
+        return self._expert_table
 
     def forward(self, x: Tensor) -> Tensor:
         num_tokens, hidden = x.shape
         k = self.top_k
         routing = moe_route(x, self.gate.weight, k, self.renormalize)
-        order = routing.order
-        rows = x.index_select(0, routing.tokens)  # [T * k, hidden], grouped by expert
-        pair_out = x.new_empty(num_tokens * k, hidden)  # expert outputs back in (token, slot) order
-        start = 0
-        for expert, count in enumerate(routing.counts):
-            if count:
-                end = start + count
-                pair_out.index_copy_(0, order[start:end], self.experts[expert](rows[start:end]))
-                start = end
+        table = self.expert_table() if x.dtype == torch.float32 and x.is_cpu else None
+        # One C call for every expert where their linears allow (the same kernels as the loop below, so
+        # the same bits), else the experts' modules one by one.
+        pair_out = None if table is None else moe_experts(table, routing, x, self.intermediate_size)
+        if pair_out is None:
+            order = routing.order
+            rows = x.index_select(0, routing.tokens)  # [T * k, hidden], grouped by expert
+            pair_out = x.new_empty(num_tokens * k, hidden)  # expert outputs back in (token, slot) order
+            start = 0
+            for expert, count in enumerate(routing.counts):
+                if count:
+                    end = start + count
+                    pair_out.index_copy_(0, order[start:end], self.experts[expert](rows[start:end]))
+                    start = end
         pair_out = pair_out.view(num_tokens, k, hidden)
         weights = routing.weights.to(x.dtype)
         # A token's slots are in ascending expert order (moe_route's contract); transformers adds the

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from izh.errors import ModelLoadError
 from izh.kernels import cpu as cpu_ops
-from izh.kernels.cpu.moe import moe_route, moe_route_ref
+from izh.kernels.cpu.moe import EXPERT_FIELDS, moe_experts, moe_route, moe_route_ref
 from izh.model import load_model
 from izh.model.loader import checkpoint_quant_types, load_model_config
 from izh.model.moe import MoeForCausalLM, SparseMoeBlock
@@ -175,6 +175,41 @@ def test_a_token_alone_equals_it_in_any_batch(quantization: str, tiny_moe_factor
                     torch.testing.assert_close(got, batched[t], rtol=1e-5, atol=1e-6)
                 else:
                     assert torch.equal(got, batched[t])
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_the_c_experts_loop_equals_the_expert_modules_bit_for_bit(weights: str, tiny_moe_factory) -> None:
+    """`moe_experts` (one C call for all experts over izh's float32 records) gives the bits that running
+    each expert's modules gives, and the block takes it where it applies."""
+    if not cpu_ops.records_f32_available():
+        pytest.skip("izh's record kernels are not loaded here")
+    model, config = load_model(tiny_moe_factory("qwen3moe"), dtype=torch.float32)
+    pack_model_weights(cast(MoeForCausalLM, model), weights, {}, requested=weights)
+    g = torch.Generator().manual_seed(7)
+    for block in _sparse_blocks(model):
+        table = block.expert_table()
+        assert table is not None and table.shape == (len(block.experts), EXPERT_FIELDS)
+        for rows in (1, 5, 41):
+            x = torch.randn(rows, config.hidden_size, generator=g)
+            routing = moe_route(x, block.gate.weight, block.top_k, block.renormalize)
+            got = moe_experts(table, routing, x, block.experts[0].intermediate_size)
+            assert got is not None
+            want = torch.empty_like(got)
+            tokens = routing.tokens.tolist()
+            start = 0
+            with torch.inference_mode():
+                for expert, count in enumerate(routing.counts):
+                    for i in range(start, start + count):
+                        pair = int(routing.order[i])
+                        assert tokens[i] == pair // block.top_k
+                    mine = block.experts[expert](x[routing.tokens[start : start + count]])
+                    want[routing.order[start : start + count]] = mine
+                    start += count
+                assert torch.equal(got, want)
+                through_block = block(x)
+                block._expert_table, block._expert_table_built = None, True  # the modules' loop
+                assert torch.equal(block(x), through_block)
+                block._expert_table = table
 
 
 def test_sparse_block_equals_a_per_token_reference(tiny_moe_factory) -> None:

@@ -21,6 +21,8 @@ MAX_EXPERTS = 1024  # MOE_MAX_EXPERTS in csrc/moe.c
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _BOUND: dict[int, Any] = {}
+_BOUND_EXPERTS: dict[int, Any] = {}
+EXPERT_FIELDS = 6  # MOE_EXPERT_FIELDS in csrc/moe.c: gate_up's (records or parts, kind, bias), then down's
 
 
 def _route_fn(lib: CpuLibrary) -> Any | None:
@@ -33,6 +35,19 @@ def _route_fn(lib: CpuLibrary) -> Any | None:
         fn.restype = _INT
         fn.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _I64, _INT, _P, _P, _P, _P, _P, _INT]
         _BOUND[id(lib.handle)] = fn
+    return fn
+
+
+def _experts_fn(lib: CpuLibrary) -> Any | None:
+    """The library's `izh_moe_experts_f32`, bound once per library (None without a library)."""
+    if lib.handle is None:
+        return None
+    fn = _BOUND_EXPERTS.get(id(lib.handle))
+    if fn is None:
+        fn = lib.handle.izh_moe_experts_f32
+        fn.restype = _INT
+        fn.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _P, _INT]
+        _BOUND_EXPERTS[id(lib.handle)] = fn
     return fn
 
 
@@ -64,6 +79,8 @@ class Routing(NamedTuple):
     """int64 [T * k]: the token of each pair in `order` (order // k)."""
     counts: list[int]
     """Pairs per expert, in expert order (`order`'s groups)."""
+    count_tensor: Tensor
+    """int64 [E]: `counts` as a tensor."""
 
 
 def moe_route(x: Tensor, router_weight: Tensor, top_k: int, renormalize: bool) -> Routing:
@@ -110,11 +127,40 @@ def moe_route(x: Tensor, router_weight: Tensor, top_k: int, renormalize: bool) -
     )
     if rc != 0:
         raise ValueError(f"moe_route failed (code {rc}) for {num_experts} experts, top {top_k}")
-    return Routing(ids, weights, grouped[0], grouped[1], counts.tolist())
+    return Routing(ids, weights, grouped[0], grouped[1], counts.tolist(), counts)
 
 
 def _grouped(ids: Tensor, weights: Tensor, num_experts: int) -> Routing:
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    return Routing(ids, weights, order, order // ids.shape[1], counts)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return Routing(ids, weights, order, order // ids.shape[1], counts.tolist(), counts)
+
+
+def moe_experts(table: Tensor, routing: Routing, x: Tensor, intermediate: int) -> Tensor | None:
+    """Every expert's gate_up -> silu_mul -> down over its routed rows of x in one C call
+    (`izh_moe_experts_f32`): float32 [T * k, hidden], row p the output of pair p (token p // k, slot
+    p % k). `table` int64 [E, EXPERT_FIELDS] holds each expert's linears as the fused decode stack reads
+    them. The same kernel calls as the experts' modules, so the same bits; None when the library is not
+    loaded or x is not a float32 CPU matrix with unit inner stride (the caller runs the modules)."""
+    fn = _experts_fn(STATE.active or resolve())
+    if fn is None or x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    num_tokens, hidden = x.shape
+    out = x.new_empty(num_tokens * routing.expert_ids.shape[1], hidden)
+    rc = fn(
+        table.data_ptr(),
+        table.shape[0],
+        routing.count_tensor.data_ptr(),
+        routing.order.data_ptr(),
+        routing.tokens.data_ptr(),
+        x.data_ptr(),
+        x.stride(0),
+        hidden,
+        intermediate,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"moe experts failed (code {rc}) for hidden {hidden}, intermediate {intermediate}")
+    return out

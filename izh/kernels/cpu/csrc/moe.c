@@ -91,3 +91,38 @@ int izh_moe_route_f32(const float *x, int64_t xs, const float *w, int64_t T, int
     }
     return 0;
 }
+
+/* The experts of one sparse block over a step's (token, slot) pairs grouped by expert (izh_moe_route_f32's
+ * order, tokens and counts): for each expert that has pairs, its tokens' rows of x are gathered, then
+ * gate_up -> silu_mul -> down run through izh_stack_linear_f32 and izh_silu_mul_f32 (the calls that
+ * GatedMLP's modules make from Python, with the same rows, so the results are the same bits), and each
+ * result row goes to out at its pair: out is [T * k, hidden] in (token, slot) order.
+ * table: E rows of MOE_EXPERT_FIELDS int64, gate_up's (records or parts, kind, bias) then down's, as
+ * izh.model.fused_stack.linear_fields gives them; x: fp32 [T, hidden] with row stride xs.
+ * Returns 0; -4 out of memory; -6 a matmul refused its shape. */
+#define MOE_EXPERT_FIELDS 6
+int izh_moe_experts_f32(const int64_t *table, int64_t E, const int64_t *counts, const int64_t *order,
+                        const int64_t *tokens, const float *x, int64_t xs, int64_t hidden, int64_t inter, float *out,
+                        int nt) {
+    int64_t most = 0;
+    for (int64_t e = 0; e < E; e++) most = counts[e] > most ? counts[e] : most;
+    if (most == 0) return 0;
+    float *buf = (float *)malloc((size_t)most * (size_t)(2 * hidden + 3 * inter) * sizeof(float));
+    if (!buf) return -4;
+    float *rows = buf, *gate_up = rows + most * hidden, *act = gate_up + most * 2 * inter, *y = act + most * inter;
+    int rc = 0;
+    for (int64_t e = 0, start = 0; e < E && rc == 0; start += counts[e], e++) {
+        const int64_t c = counts[e];
+        if (c == 0) continue;
+        for (int64_t i = 0; i < c; i++)
+            memcpy(rows + i * hidden, x + tokens[start + i] * xs, (size_t)hidden * sizeof(float));
+        const int64_t *lin = table + e * MOE_EXPERT_FIELDS;
+        if ((rc = izh_stack_linear_f32(lin, rows, c, 2 * inter, hidden, gate_up, nt))) break;
+        izh_silu_mul_f32(gate_up, 2 * inter, act, c, inter, nt);
+        if ((rc = izh_stack_linear_f32(lin + 3, act, c, hidden, inter, y, nt))) break;
+        for (int64_t i = 0; i < c; i++)
+            memcpy(out + order[start + i] * hidden, y + i * hidden, (size_t)hidden * sizeof(float));
+    }
+    free(buf);
+    return rc;
+}
