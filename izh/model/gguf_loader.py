@@ -227,11 +227,20 @@ def gguf_checkpoint_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[Che
 
 def block_weights(file: GGUFFile, config: ModelConfig, names: set[str]) -> dict[str, tuple[str, Tensor]]:
     """transformers' name -> (GGUF type, a copy of its blocks uint8 [rows, row_bytes]) for each 2-D tensor
-    of `names` stored in a type izh's block kernels serve (izh.kernels.cpu.gguf_blocks), Llama q/k rows
-    un-permuted (rows are whole blocks, so that is a reordering of rows)."""
+    of `names` stored in a type izh's block kernels serve (izh.kernels.cpu.gguf_blocks), and for each
+    expert of a 3-D expert tensor (`ffn_*_exps`, one weight per expert), Llama q/k rows un-permuted (rows
+    are whole blocks, so that is a reordering of rows)."""
     permuted = config.architecture in _PERMUTED_QK_ARCHITECTURES
     found = {}
     for t in file.tensors:
+        experts = expert_names(t.name, t.shape[0]) if len(t.shape) == 3 else None
+        if experts is not None and t.ggml_type.name in GGUF_BLOCK_TYPES:
+            # A 3-D expert tensor [experts, rows, row_bytes]: each expert's rows are its own 2-D weight.
+            raw = file.raw(t)
+            for expert, expert_name in enumerate(experts):
+                if expert_name in names:
+                    found[expert_name] = (t.ggml_type.name, torch.from_numpy(np.array(raw[expert])))
+            continue
         name = hf_name(t.name, config.architecture)
         if name is None or name not in names or len(t.shape) != 2 or t.ggml_type.name not in GGUF_BLOCK_TYPES:
             continue

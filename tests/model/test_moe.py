@@ -21,7 +21,7 @@ from izh.kernels.cpu.moe import EXPERT_FIELDS, moe_experts, moe_route, moe_route
 from izh.model import load_model
 from izh.model.loader import checkpoint_quant_types, load_model_config
 from izh.model.moe import MoeForCausalLM, SparseMoeBlock
-from izh.model.packed import Q4Records, Q8Records
+from izh.model.packed import GGUFBlocks, Q4Records, Q8Records
 from izh.model.packing import pack_model_weights
 from izh.model.parallel import check_tensor_parallel
 from tests.fixtures.checkpoints import llama_cpp_permute
@@ -177,14 +177,21 @@ def test_a_token_alone_equals_it_in_any_batch(quantization: str, tiny_moe_factor
                     assert torch.equal(got, batched[t])
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_the_c_experts_loop_equals_the_expert_modules_bit_for_bit(weights: str, tiny_moe_factory) -> None:
-    """`moe_experts` (one C call for all experts over izh's float32 records) gives the bits that running
-    each expert's modules gives, and the block takes it where it applies."""
+@pytest.mark.parametrize("weights", ["int8", "int4", "gguf Q5_0"])
+def test_the_c_experts_loop_equals_the_expert_modules_bit_for_bit(
+    weights: str, tiny_moe_factory, tiny_moe_gguf_factory
+) -> None:
+    """`moe_experts` (one C call for all experts, over izh's float32 records or a GGUF file's own blocks)
+    gives the bits that running each expert's modules gives, and the block takes it where it applies."""
     if not cpu_ops.records_f32_available():
         pytest.skip("izh's record kernels are not loaded here")
-    model, config = load_model(tiny_moe_factory("qwen3moe"), dtype=torch.float32)
-    pack_model_weights(cast(MoeForCausalLM, model), weights, {}, requested=weights)
+    if weights.startswith("gguf"):
+        path = tiny_moe_gguf_factory("qwen3moe", weights.split()[1])
+        model, config = load_model(path, dtype=torch.float32, gguf_blocks=True)
+        assert isinstance(_sparse_blocks(model)[0].experts[3].down_proj.packed, GGUFBlocks)
+    else:
+        model, config = load_model(tiny_moe_factory("qwen3moe"), dtype=torch.float32)
+        pack_model_weights(cast(MoeForCausalLM, model), weights, {}, requested=weights)
     g = torch.Generator().manual_seed(7)
     for block in _sparse_blocks(model):
         table = block.expert_table()
@@ -290,6 +297,32 @@ def test_qwen3moe_gguf_matches_transformers_gguf_loader(tiny_moe_gguf_factory, t
     hf = _hf(str(path.parent), gguf_file=path.name, moe_intermediate_size=config.moe.expert_intermediate_size)
     assert hf.config.norm_topk_prob is True
     _check_logits(ours, hf, [tiny_tokenizer.encode(p).ids for p in PROMPTS])
+
+
+def test_k_and_5_bit_experts_stay_in_the_files_blocks(tiny_moe_gguf_factory, tiny_tokenizer) -> None:
+    """A GGUF whose experts are in a type izh's records do not hold exactly (Q5_0 here; Q4_K / Q6_K in
+    real files) serves each expert from the 3-D tensor's own blocks, never dequantized or repacked, and
+    its logits follow transformers' on the dequantized file up to the int8 activations."""
+    if not cpu_ops.records_f32_available():
+        pytest.skip("izh's record kernels are not loaded here")
+    path = Path(tiny_moe_gguf_factory("qwen3moe", "Q5_0"))
+    ours, config = load_model(str(path), dtype=torch.float32, gguf_blocks=True)
+    assert config.moe is not None
+    for block in _sparse_blocks(ours):
+        for expert in block.experts:
+            for linear in (expert.gate_up_proj, expert.down_proj):
+                assert isinstance(linear.packed, GGUFBlocks)
+                assert {part.ggml_type for part in linear.packed.parts} == {"Q5_0"}
+                assert linear.weight.numel() == 0  # no dense copy
+    hf = _hf(str(path.parent), gguf_file=path.name, moe_intermediate_size=config.moe.expert_intermediate_size)
+    prompts = [tiny_tokenizer.encode(p).ids for p in PROMPTS]
+    got = _prefill(ours, prompts)
+    with torch.inference_mode():
+        ref = torch.cat([hf(torch.tensor([ids])).logits[0] for ids in prompts])
+    # The weights are the file's exactly; the activations go in as int8 per block (as in
+    # test_experts_are_packed_one_by_one, whose bound this is).
+    assert (got - ref).abs().mean().item() < 0.1 * ref.std().item()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.8
 
 
 def _dequantized_mixtral_folder(gguf_path: str, hf_folder: str, out: Path) -> str:
