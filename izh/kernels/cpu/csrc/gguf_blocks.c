@@ -140,6 +140,19 @@ INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
         const uint8_t *qs = p + (f ? 4 : 2);
         b->dw = gq_f16(p);
         b->mw = f ? gq_f16(p + 2) : 0.0f;
+        b->s[0] = b->s[1] = 1;
+#if defined(__AVX2__)
+        {   /* the 16 low nibbles, then the 16 high ones; IQ4_NL's through its table, Q4_0's minus 8 */
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
+            const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(15));
+            __m256i v = nib;
+            if (type == GQ_IQ4_NL)
+                v = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)gq_iq4nl)), nib);
+            else if (!f)
+                v = _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
+            _mm256_store_si256((__m256i *)c, v);
+        }
+#else
         for (int j = 0; j < 16; j++) {
             const int lo = qs[j] & 15, hi = qs[j] >> 4;
             if (type == GQ_IQ4_NL) {
@@ -150,7 +163,7 @@ INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
                 c[j + 16] = (int8_t)(f ? hi : hi - 8);
             }
         }
-        b->s[0] = b->s[1] = 1;
+#endif
         break;
     }
     case GQ_Q5_0:
@@ -196,6 +209,21 @@ INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
         const uint8_t *scales = p + 4, *qh = p + 16, *ql = p + (five ? 48 : 16);
         b->dw = gq_f16(p);
         b->mw = gq_f16(p + 2);
+#if defined(__AVX2__)
+        for (int g = 0; g < 4; g++) { /* the loop below, 32 bytes at a time */
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(ql + 32 * g)), m15 = _mm256_set1_epi8(15);
+            __m256i lo = _mm256_and_si256(q, m15), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
+            if (five) { /* bit 2g (low) and 2g + 1 (high) of each qh byte, as the codes' bit 4 */
+                const __m256i h = _mm256_loadu_si256((const __m256i *)qh), one = _mm256_set1_epi8(1);
+                const __m256i hl = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * g)), one);
+                const __m256i hh = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * g + 1)), one);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(hl, 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(hh, 4));
+            }
+            _mm256_store_si256((__m256i *)(c + 64 * g), lo);
+            _mm256_store_si256((__m256i *)(c + 64 * g + 32), hi);
+        }
+#else
         for (int g = 0; g < 4; g++) { /* 64 inputs: sub-blocks 2g (low nibbles) and 2g + 1 (high) */
             const uint8_t *q = ql + 32 * g;
             for (int l = 0; l < 32; l++) {
@@ -208,6 +236,7 @@ INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
                 c[64 * g + 32 + l] = (int8_t)hi;
             }
         }
+#endif
         for (int j = 0; j < 8; j++) {
             int32_t sc, mn;
             gq_scale_min_k4(j, scales, &sc, &mn);
@@ -242,10 +271,22 @@ INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
         for (int ib = 0; ib < 8; ib++) {
             const int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
             b->s[2 * ib] = b->s[2 * ib + 1] = ls - 32;
+#if defined(__AVX2__)
+            {   /* IQ4_NL's table on the 16 low nibbles, then the 16 high ones */
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)(qs + 16 * ib));
+                const __m256i nib =
+                    _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(15));
+                _mm256_store_si256((__m256i *)(c + 32 * ib),
+                                   _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(
+                                                           _mm_loadu_si128((const __m128i *)gq_iq4nl)),
+                                                       nib));
+            }
+#else
             for (int j = 0; j < 16; j++) {
                 c[32 * ib + j] = gq_iq4nl[qs[16 * ib + j] & 15];
                 c[32 * ib + j + 16] = gq_iq4nl[qs[16 * ib + j] >> 4];
             }
+#endif
         }
         break;
     }
