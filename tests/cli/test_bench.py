@@ -580,8 +580,8 @@ def _one_stream_per_connection_server() -> tuple[str, socket.socket, threading.T
     def handle(conn: socket.socket) -> None:
         with conn:
             if read_request(conn):
+                answered.append(1)  # before the send: the client may finish before this thread runs again
                 conn.sendall(response)
-                answered.append(1)
                 read_request(conn)  # the next request on this connection: dropped unanswered
 
     def serve() -> None:
