@@ -250,6 +250,23 @@ INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
         const int8_t *sc = (const int8_t *)(p + 192);
         b->dw = gq_f16(p + 208);
         b->mw = 0.0f;
+#if defined(__AVX2__)
+        for (int half = 0; half < 2; half++) { /* the loop below, 32 codes a vector */
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(ql + 64 * half));
+            const __m256i bb = _mm256_loadu_si256((const __m256i *)(ql + 64 * half + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 32 * half));
+            const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+            const __m256i lo[4] = {_mm256_and_si256(a, m15), _mm256_and_si256(bb, m15),
+                                   _mm256_and_si256(_mm256_srli_epi16(a, 4), m15),
+                                   _mm256_and_si256(_mm256_srli_epi16(bb, 4), m15)};
+            const __m256i hi[4] = {_mm256_and_si256(h, m3), _mm256_and_si256(_mm256_srli_epi16(h, 2), m3),
+                                   _mm256_and_si256(_mm256_srli_epi16(h, 4), m3),
+                                   _mm256_and_si256(_mm256_srli_epi16(h, 6), m3)};
+            for (int j = 0; j < 4; j++)
+                _mm256_store_si256((__m256i *)(c + 128 * half + 32 * j),
+                                   _mm256_sub_epi8(_mm256_or_si256(lo[j], _mm256_slli_epi16(hi[j], 4)), k32));
+        }
+#else
         for (int half = 0; half < 2; half++) {
             const uint8_t *l8 = ql + 64 * half, *h8 = qh + 32 * half;
             int8_t *y = c + 128 * half;
@@ -260,6 +277,7 @@ INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
                 y[l + 96] = (int8_t)(((l8[l + 32] >> 4) | (((h8[l] >> 6) & 3) << 4)) - 32);
             }
         }
+#endif
         for (int j = 0; j < 16; j++) b->s[j] = sc[j];
         break;
     }
