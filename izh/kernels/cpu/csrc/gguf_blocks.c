@@ -497,10 +497,16 @@ INLINE void gq_prefetch_slice(const char *next, int64_t b, int64_t slice) {
 
 /* Activation rows up to which Q6_K matmuls take gq_rows8_k (codes unpacked in registers, straight from the
  * file's bytes) rather than gq_rows8 (each block decoded once into a gq_block, then read for every row): the
- * unpacking is repeated per activation row, the decoding is not; past 6 rows gq_rows8 is the faster. Q4_K,
- * whose unpacking is two instructions, takes gq_rows8_k rather than gq_rows8 at any row count (0.6x its time at
- * 1-64 rows; bench_results/README.md), but for gq_rows8_q4k_il from GQ_IL_Q4K_MIN_ROWS rows in the AVX2 build. */
+ * unpacking is repeated per activation row, the decoding is not. Past 6 rows gq_rows8 is the faster in the AVX2
+ * build, past 10 in the VNNI ones (one 1536 x 1536 matmul: 0.9x gq_rows8's time at 7-8 rows, equal at 12,
+ * 1.05x at 16; bench_results/README.md). Q4_K, whose unpacking is two instructions, takes gq_rows8_k rather
+ * than gq_rows8 at any row count (0.6x its time at 1-64 rows), but for gq_rows8_q4k_il from
+ * GQ_IL_Q4K_MIN_ROWS rows in the AVX2 build. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define GQ_Q6K_DIRECT_ROWS 10
+#else
 #define GQ_Q6K_DIRECT_ROWS 6
+#endif
 
 /* Output rows [n0, n0 + 8) of a Q4_K or Q6_K weight for activation rows [m0, m1): gq_rows8's integers and
  * epilogue, with the codes and scales unpacked in registers from the block's bytes as gq_decode defines them
