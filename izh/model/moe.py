@@ -6,7 +6,7 @@ the rows routed to it: the step's (token, expert) pairs are sorted by expert, ea
 into one slice and sent through that expert's gate_up and down linears (packed like any other linear by
 `izh.model.packing`: no dense per-expert copies), and each token's outputs are added back in ascending
 expert order, weighted. The loop is over the experts that have rows, never over tokens; with float32
-activations and every expert in izh's records it runs in C (`moe_experts`: one call a layer instead of
+activations and every expert in izh's records or a GGUF file's blocks it runs in C (`moe_experts`: one call a layer instead of
 a few Python calls an expert, the same kernel calls, so the same bits).
 
 Batch invariance: a token's experts and weights come from its own row only (the C router), and its
