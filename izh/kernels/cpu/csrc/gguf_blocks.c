@@ -501,25 +501,28 @@ INLINE void gq_prefetch_slice(const char *next, int64_t b, int64_t slice) {
  * build, past 10 in the VNNI ones (one 1536 x 1536 matmul: 0.9x gq_rows8's time at 7-8 rows, equal at 12,
  * 1.05x at 16; bench_results/README.md). Q4_K, whose unpacking is two instructions, takes gq_rows8_k rather
  * than gq_rows8 at any row count (0.6x its time at 1-64 rows), but for gq_rows8_q4k_il from
- * GQ_IL_Q4K_MIN_ROWS rows in the AVX2 build. */
+ * GQ_IL_Q4K_MIN_ROWS rows in the AVX2 build; so does Q5_K, whose fifth bit adds three (0.56x gq_rows8's time
+ * at 1 row, 0.75x at 32). */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define GQ_Q6K_DIRECT_ROWS 10
 #else
 #define GQ_Q6K_DIRECT_ROWS 6
 #endif
 
-/* Output rows [n0, n0 + 8) of a Q4_K or Q6_K weight for activation rows [m0, m1): gq_rows8's integers and
+/* Output rows [n0, n0 + 8) of a Q4_K, Q5_K or Q6_K weight for activation rows [m0, m1): gq_rows8's integers and
  * epilogue, with the codes and scales unpacked in registers from the block's bytes as gq_decode defines them
  * (ggml's layout). Exact integer sums taken in another order:
  *  - Q4_K: codes 0..15, so c . q is vpmaddubsw(c, q) directly (gq_rows8 takes |c| and q with c's sign: the
  *    same products); the 6-bit scales and mins of the 12 scale bytes unpacked as llama.cpp does (utmp);
  *    msum = sum over the 8 sub-blocks of min * (the sub-block's 32 q's sum) by vpmaddwd.
+ *  - Q5_K: Q4_K's with each code's bit 4 from qh (codes 0..31: a vpmaddubsw pair stays within 2 * 31 * 127).
  *  - Q6_K: codes u - 32 with u = 0..63, so c . q = u . q - 32 * (sum of q): vpmaddubsw(u, q), and
  *    32 * sum_j s[j] * qs16[j] subtracted.
  * isum and msum are the same integers, so every output is gq_rows8's to the bit. */
 INLINE void gq_rows8_k(const int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t m0, int64_t m1,
                        int64_t K, const int8_t *xq, const float *dx, const int32_t *qs16, float *out, int64_t os) {
-    const int q4 = type == GQ_Q4_K, bytes = q4 ? 144 : 210;
+    /* q4: Q4_K or Q5_K, the formats with 8 scales and 8 mins of 32 inputs (Q5_K: a fifth bit from qh) */
+    const int q5 = type == GQ_Q5_K, q4 = type == GQ_Q4_K || q5, bytes = q5 ? 176 : q4 ? 144 : 210;
     const int64_t blocks = K / 256;
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(0x30);
     /* the shuffle putting 16-bit lane w of each 128-bit half in all 8 of its lanes: word 2r of the low half
@@ -581,16 +584,24 @@ INLINE void gq_rows8_k(const int type, const uint8_t *w, int64_t row_bytes, int6
                 const __m256i pairs = _mm256_permute4x64_epi64(_mm256_hadd_epi32(qa, qb), 0xD8);
                 const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
                 for (int i = 0; i < 8; i++) {
-                    const uint8_t *p = w + (n0 + i) * row_bytes + b * bytes + 16;
+                    const uint8_t *blk = w + (n0 + i) * row_bytes + b * bytes, *p = blk + (q5 ? 48 : 16);
+                    const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
                     __m256i a = _mm256_setzero_si256();
                     for (int g = 0; g < 4; g++) {
                         const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * g));
                         const __m256i x0 = _mm256_loadu_si256((const __m256i *)(q + 64 * g));
                         const __m256i x1 = _mm256_loadu_si256((const __m256i *)(q + 64 * g + 32));
-                        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, m4), x0), sv[i][2 * g]));
-                        a = _mm256_add_epi32(a, _mm256_madd_epi16(
-                                                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), x1),
-                                                    sv[i][2 * g + 1]));
+                        __m256i c0 = _mm256_and_si256(v, m4), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        if (q5) { /* bit 2g (c0) and 2g + 1 (c1) of each qh byte as bit 4: codes 0..31, and a
+                                   * pair's sum in vpmaddubsw stays within 2 * 31 * 127 */
+                            const __m256i one = _mm256_set1_epi8(1);
+                            c0 = _mm256_or_si256(c0, _mm256_slli_epi16(
+                                                         _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), one), 4));
+                            c1 = _mm256_or_si256(c1, _mm256_slli_epi16(
+                                                         _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g + 1)), one), 4));
+                        }
+                        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(c0, x0), sv[i][2 * g]));
+                        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(c1, x1), sv[i][2 * g + 1]));
                     }
                     t[i] = a;
                     __m128i mm = _mm_madd_epi16(mins[i], p16);
@@ -897,7 +908,7 @@ INLINE void gq_rows8_q4k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int
         int64_t n = n0;                                                                                       \
         if (T == GQ_Q4_K && GQ_IL_Q4K_MIN_ROWS && m1 - m0 >= GQ_IL_Q4K_MIN_ROWS)                              \
             for (; n + 8 <= n1; n += 8) gq_rows8_q4k_il(w, row_bytes, n, m0, m1, K, xq, dx, qs16, out, os);    \
-        if (T == GQ_Q4_K || (T == GQ_Q6_K && m1 - m0 <= GQ_Q6K_DIRECT_ROWS))                                   \
+        if (T == GQ_Q4_K || T == GQ_Q5_K || (T == GQ_Q6_K && m1 - m0 <= GQ_Q6K_DIRECT_ROWS))                   \
             for (; n + 8 <= n1; n += 8) gq_rows8_k(T, w, row_bytes, n, m0, m1, K, xq, dx, qs16, out, os);     \
         for (; n + 8 <= n1; n += 8) gq_rows8(T, w, row_bytes, n, m0, m1, K, xq, dx, ex, qs16, out, os);       \
         if (n < n1) gq_rows(T, w, row_bytes, n, n1, m0, m1, K, xq, dx, ex, qs16, out, os);                  \
