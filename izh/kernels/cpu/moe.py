@@ -20,34 +20,26 @@ from izh.kernels.cpu.library import STATE, CpuLibrary, resolve
 MAX_EXPERTS = 1024  # MOE_MAX_EXPERTS in csrc/moe.c
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_BOUND: dict[int, Any] = {}
-_BOUND_EXPERTS: dict[int, Any] = {}
+_BOUND: dict[tuple[int, str], Any] = {}
 EXPERT_FIELDS = 6  # MOE_EXPERT_FIELDS in csrc/moe.c: gate_up's (records or parts, kind, bias), then down's
+_SIGNATURES = {
+    "izh_moe_route_f32": [_P, _I64, _P, _I64, _I64, _I64, _I64, _INT, _P, _P, _P, _P, _P, _INT],
+    "izh_moe_experts_f32": [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _P, _INT],
+}
 
 
-def _route_fn(lib: CpuLibrary) -> Any | None:
-    """The library's `izh_moe_route_f32`, bound once per library (None without a library)."""
+def _bound(lib: CpuLibrary, name: str) -> Any | None:
+    """The library's function `name` (an int-returning one of _SIGNATURES), bound once per library (None
+    without a library)."""
     if lib.handle is None:
         return None
-    fn = _BOUND.get(id(lib.handle))
+    key = (id(lib.handle), name)
+    fn = _BOUND.get(key)
     if fn is None:
-        fn = lib.handle.izh_moe_route_f32
+        fn = getattr(lib.handle, name)
         fn.restype = _INT
-        fn.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _I64, _INT, _P, _P, _P, _P, _P, _INT]
-        _BOUND[id(lib.handle)] = fn
-    return fn
-
-
-def _experts_fn(lib: CpuLibrary) -> Any | None:
-    """The library's `izh_moe_experts_f32`, bound once per library (None without a library)."""
-    if lib.handle is None:
-        return None
-    fn = _BOUND_EXPERTS.get(id(lib.handle))
-    if fn is None:
-        fn = lib.handle.izh_moe_experts_f32
-        fn.restype = _INT
-        fn.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _P, _INT]
-        _BOUND_EXPERTS[id(lib.handle)] = fn
+        fn.argtypes = _SIGNATURES[name]
+        _BOUND[key] = fn
     return fn
 
 
@@ -86,7 +78,7 @@ class Routing(NamedTuple):
 def moe_route(x: Tensor, router_weight: Tensor, top_k: int, renormalize: bool) -> Routing:
     """`moe_route_ref`'s experts and weights, batch-invariant in C, with the pairs grouped by expert:
     x float32 or bfloat16 [T, hidden] (routed in float32), router_weight float32 [E, hidden]."""
-    fn = _route_fn(STATE.active or resolve())
+    fn = _bound(STATE.active or resolve(), "izh_moe_route_f32")
     num_experts, hidden = router_weight.shape
     if (
         fn is None
@@ -143,7 +135,7 @@ def moe_experts(table: Tensor, routing: Routing, x: Tensor, intermediate: int) -
     p % k). `table` int64 [E, EXPERT_FIELDS] holds each expert's linears as the fused decode stack reads
     them. The same kernel calls as the experts' modules, so the same bits; None when the library is not
     loaded or x is not a float32 CPU matrix with unit inner stride (the caller runs the modules)."""
-    fn = _experts_fn(STATE.active or resolve())
+    fn = _bound(STATE.active or resolve(), "izh_moe_experts_f32")
     if fn is None or x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.stride(1) != 1:
         return None
     num_tokens, hidden = x.shape
