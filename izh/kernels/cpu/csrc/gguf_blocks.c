@@ -118,6 +118,24 @@ INLINE void gq_scale_min_k4(int j, const uint8_t *q, int32_t *sc, int32_t *mn) {
     }
 }
 
+#if defined(__AVX2__)
+/* The 32 codes of 16 bytes of nibbles (qs): the 16 low nibbles, then the 16 high ones (ggml's order). */
+INLINE __m256i gq_nibbles32(const uint8_t *qs) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(15));
+}
+
+/* IQ4_NL's values of 32 codes 0..15. */
+INLINE __m256i gq_iq4nl32(__m256i nib) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)gq_iq4nl)), nib);
+}
+
+/* Bit `bit` of each byte of h, moved to bit 4: the fifth bit of Q5_K's codes from qh. */
+INLINE __m256i gq_bit4(__m256i h, int bit) {
+    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(bit)), _mm256_set1_epi8(1)), 4);
+}
+#endif
+
 #if defined(__ARM_NEON) && defined(__aarch64__)
 #define GQ_NEON 1
 INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b);
@@ -142,14 +160,10 @@ INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
         b->mw = f ? gq_f16(p + 2) : 0.0f;
         b->s[0] = b->s[1] = 1;
 #if defined(__AVX2__)
-        {   /* the 16 low nibbles, then the 16 high ones; IQ4_NL's through its table, Q4_0's minus 8 */
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
-            const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(15));
-            __m256i v = nib;
-            if (type == GQ_IQ4_NL)
-                v = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)gq_iq4nl)), nib);
-            else if (!f)
-                v = _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
+        {   /* IQ4_NL's codes through its table, Q4_0's minus 8 */
+            const __m256i nib = gq_nibbles32(qs);
+            const __m256i v =
+                type == GQ_IQ4_NL ? gq_iq4nl32(nib) : f ? nib : _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
             _mm256_store_si256((__m256i *)c, v);
         }
 #else
@@ -181,8 +195,7 @@ INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
                 _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
             const __m256i bit = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
                                                   _mm256_set1_epi64x(-1));
-            const __m128i lo = _mm_loadu_si128((const __m128i *)qs);
-            const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), _mm256_set1_epi8(15));
+            const __m256i nib = gq_nibbles32(qs);
             const __m256i v = _mm256_or_si256(nib, _mm256_and_si256(bit, _mm256_set1_epi8(16)));
             _mm256_store_si256((__m256i *)c, _mm256_sub_epi8(v, _mm256_set1_epi8((char)off)));
             b->s[0] = b->s[1] = 1;
@@ -214,11 +227,9 @@ INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(ql + 32 * g)), m15 = _mm256_set1_epi8(15);
             __m256i lo = _mm256_and_si256(q, m15), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
             if (five) { /* bit 2g (low) and 2g + 1 (high) of each qh byte, as the codes' bit 4 */
-                const __m256i h = _mm256_loadu_si256((const __m256i *)qh), one = _mm256_set1_epi8(1);
-                const __m256i hl = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * g)), one);
-                const __m256i hh = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * g + 1)), one);
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(hl, 4));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(hh, 4));
+                const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+                lo = _mm256_or_si256(lo, gq_bit4(h, 2 * g));
+                hi = _mm256_or_si256(hi, gq_bit4(h, 2 * g + 1));
             }
             _mm256_store_si256((__m256i *)(c + 64 * g), lo);
             _mm256_store_si256((__m256i *)(c + 64 * g + 32), hi);
@@ -290,15 +301,7 @@ INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
             const int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
             b->s[2 * ib] = b->s[2 * ib + 1] = ls - 32;
 #if defined(__AVX2__)
-            {   /* IQ4_NL's table on the 16 low nibbles, then the 16 high ones */
-                const __m128i bytes = _mm_loadu_si128((const __m128i *)(qs + 16 * ib));
-                const __m256i nib =
-                    _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(15));
-                _mm256_store_si256((__m256i *)(c + 32 * ib),
-                                   _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(
-                                                           _mm_loadu_si128((const __m128i *)gq_iq4nl)),
-                                                       nib));
-            }
+            _mm256_store_si256((__m256i *)(c + 32 * ib), gq_iq4nl32(gq_nibbles32(qs + 16 * ib)));
 #else
             for (int j = 0; j < 16; j++) {
                 c[32 * ib + j] = gq_iq4nl[qs[16 * ib + j] & 15];
@@ -594,11 +597,8 @@ INLINE void gq_rows8_k(const int type, const uint8_t *w, int64_t row_bytes, int6
                         __m256i c0 = _mm256_and_si256(v, m4), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                         if (q5) { /* bit 2g (c0) and 2g + 1 (c1) of each qh byte as bit 4: codes 0..31, and a
                                    * pair's sum in vpmaddubsw stays within 2 * 31 * 127 */
-                            const __m256i one = _mm256_set1_epi8(1);
-                            c0 = _mm256_or_si256(c0, _mm256_slli_epi16(
-                                                         _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), one), 4));
-                            c1 = _mm256_or_si256(c1, _mm256_slli_epi16(
-                                                         _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g + 1)), one), 4));
+                            c0 = _mm256_or_si256(c0, gq_bit4(qh, 2 * g));
+                            c1 = _mm256_or_si256(c1, gq_bit4(qh, 2 * g + 1));
                         }
                         a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(c0, x0), sv[i][2 * g]));
                         a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(c1, x1), sv[i][2 * g + 1]));
