@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -390,12 +391,22 @@ def test_the_dashboard_moves_under_load(
         "--out",
         str(tmp_path),
     ]
+    # The bench alone can finish between two of the page's polls on a fast host, so one long stream stays
+    # open until the page has seen a request running, then is dropped (a client disconnect).
+    held = threading.Event()
+    seen = threading.Event()
+    holder = threading.Thread(target=_hold_stream, args=(server, held, seen), daemon=True)
+    holder.start()
     bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        assert held.wait(120), "the held stream produced no token"
         page.wait_for_function("() => Number(document.getElementById('gen-rate').dataset.value) > 0")
         page.wait_for_function("() => Number(document.getElementById('running').dataset.value) > 0")
+        seen.set()
         _, stderr = bench.communicate(timeout=600)
     finally:
+        seen.set()
+        holder.join(60)
         if bench.poll() is None:
             bench.kill()
             bench.wait()
@@ -433,6 +444,24 @@ def test_the_dashboard_moves_under_load(
     for name in HISTOGRAMS:
         assert None not in expected[name].values(), name
         assert computed[name] == pytest.approx(expected[name]), name
+
+
+def _hold_stream(server: RealServer, held: threading.Event, seen: threading.Event) -> None:
+    """Streams a long completion, sets `held` at its first token and reads until `seen` is set."""
+    body = {
+        "model": server.model,
+        "prompt": "Count slowly:",
+        "max_tokens": 1800,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                held.set()
+            if seen.is_set():
+                return
 
 
 def _finished(page: Any) -> float:
