@@ -28,6 +28,8 @@ def _q8(n: int, k: int, seed: int) -> torch.Tensor:
 def _x(m: int, k: int, seed: int) -> torch.Tensor:
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 3
     x[0, :32] = 0  # a group with no range quantizes to zeros
+    if k >= 64:  # d = 1 exactly: halves round to even (2.5 -> 2, -3.5 -> -4), in the vector code too
+        x[0, 32:64] = torch.tensor([127.0, -126.5, 2.5, -3.5, 0.5, -0.5, 1.5, 125.5] * 4)
     return x
 
 

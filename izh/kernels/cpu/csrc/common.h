@@ -27,8 +27,12 @@
 #include <omp.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define HAVE_DPBF16 1
 #else
 #define HAVE_DPBF16 0
@@ -114,6 +118,100 @@ INLINE float exp_f32(float x) {
     y = x < -103.972084f ? 0.0f : y;
     return x != x ? x : y;
 }
+
+/* One group of G inputs (a multiple of 32) of an activation row quantized to int8 the way the record and
+ * GGUF block matmuls take it (records_f32.c, gguf_blocks.c): d = max |x| / 127 over the group, q =
+ * round-half-even(x * (1 / d)) clamped to [-127, 127] (all 0 when d = 0), s16[j] = the sum of q over
+ * inputs 16 j .. 16 j + 15. Returns d. Every form below gives the scalar form's bits for finite x: the
+ * maximum and the integer sums do not depend on their order, and each product and rounding is the same
+ * single operation in a lane. */
+INLINE float q8_group_scalar(const float *xg, int G, int8_t *qg, int32_t *s16) {
+    float amax = 0.0f;
+    for (int k = 0; k < G; k++) {
+        const float a = fabsf(xg[k]);
+        amax = a > amax ? a : amax;
+    }
+    const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int j = 0; j < G / 16; j++) {
+        int32_t s = 0;
+        for (int k = 16 * j; k < 16 * j + 16; k++) {
+            float r = rintf(xg[k] * id);
+            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+            qg[k] = (int8_t)r;
+            s += (int32_t)r;
+        }
+        s16[j] = s;
+    }
+    return d;
+}
+
+#if defined(__AVX512F__)
+INLINE float q8_group(const float *xg, int G, int8_t *qg, int32_t *s16) {
+    __m512 m = _mm512_setzero_ps();
+    for (int k = 0; k < G; k += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xg + k)), m);
+    const float d = _mm512_reduce_max_ps(m) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m512 vid = _mm512_set1_ps(id), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (int j = 0; j < G / 16; j++) {
+        __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xg + 16 * j), vid),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+        _mm_storeu_si128((__m128i *)(qg + 16 * j), _mm512_cvtepi32_epi8(q));
+        s16[j] = _mm512_reduce_add_epi32(q);
+    }
+    return d;
+}
+#elif defined(__AVX2__)
+INLINE float q8_group(const float *xg, int G, int8_t *qg, int32_t *s16) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 m = _mm256_setzero_ps();
+    for (int k = 0; k < G; k += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xg + k), abs_mask), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float d = _mm_cvtss_f32(h) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m256 vid = _mm256_set1_ps(id), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int k = 0; k < G; k += 32) {
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) {
+            const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xg + k + 8 * i), vid),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+        }
+        for (int i = 0; i < 2; i++) {
+            const __m256i t = _mm256_add_epi32(q[2 * i], q[2 * i + 1]);
+            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+            s16[k / 16 + i] = _mm_cvtsi128_si32(s);
+        }
+        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(qg + k), _mm256_permutevar8x32_epi32(b, order));
+    }
+    return d;
+}
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+INLINE float q8_group(const float *xg, int G, int8_t *qg, int32_t *s16) {
+    float32x4_t m = vdupq_n_f32(0.0f);
+    for (int k = 0; k < G; k += 4) m = vmaxq_f32(vabsq_f32(vld1q_f32(xg + k)), m);
+    const float d = vmaxvq_f32(m) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    const float32x4_t vid = vdupq_n_f32(id), lo = vdupq_n_f32(-127.0f), hi = vdupq_n_f32(127.0f);
+    for (int j = 0; j < G / 16; j++) {
+        int32x4_t q[4];
+        for (int i = 0; i < 4; i++) {
+            const float32x4_t r = vrndnq_f32(vmulq_f32(vld1q_f32(xg + 16 * j + 4 * i), vid));
+            q[i] = vcvtq_s32_f32(vminq_f32(vmaxq_f32(r, lo), hi));
+        }
+        s16[j] = vaddvq_s32(vaddq_s32(vaddq_s32(q[0], q[1]), vaddq_s32(q[2], q[3])));
+        const int16x8_t a = vcombine_s16(vmovn_s32(q[0]), vmovn_s32(q[1]));
+        const int16x8_t b = vcombine_s16(vmovn_s32(q[2]), vmovn_s32(q[3]));
+        vst1q_s8(qg + 16 * j, vcombine_s8(vmovn_s16(a), vmovn_s16(b)));
+    }
+    return d;
+}
+#else
+#define q8_group q8_group_scalar
+#endif
 
 /* The KV cache's element formats (the attention kernels' kv_type; izh/kernels/kv_cache_dtype.py): a cache
  * row (one token, one KV head) holds d values as float32, bf16, float16, float8 e4m3fn or e5m2, or q8_0

@@ -317,33 +317,16 @@ INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
 }
 
 /* Quantizes rows [m0, m1) of x (row stride xs) to q int8 [., K] (row stride K), dx and ex [., K / G], and
- * the sums of q per 16 inputs qs16 [., K / 16] (see the header). */
+ * the sums of q per 16 inputs qs16 [., K / 16] (see the header; q8_group in common.h). */
 static void gq_quantize_rows(const float *x, int64_t xs, int64_t m0, int64_t m1, int64_t K, int G, int8_t *q,
                              float *dx, float *ex, int32_t *qs16) {
     const int64_t groups = K / G;
     for (int64_t m = m0; m < m1; m++)
         for (int64_t g = 0; g < groups; g++) {
-            const float *xg = x + m * xs + g * G;
-            float amax = 0.0f;
-            for (int k = 0; k < G; k++) {
-                const float a = fabsf(xg[k]);
-                amax = a > amax ? a : amax;
-            }
-            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t *qg = q + m * K + g * G;
             int32_t *s16 = qs16 + m * (K / 16) + g * (G / 16);
+            const float d = q8_group(x + m * xs + g * G, G, q + m * K + g * G, s16);
             int32_t sum = 0;
-            for (int k = 0; k < G; k++) {
-                float r = rintf(xg[k] * id);
-                r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-                qg[k] = (int8_t)r;
-            }
-            for (int j = 0; j < G / 16; j++) {
-                int32_t s = 0;
-                for (int k = 0; k < 16; k++) s += qg[16 * j + k];
-                s16[j] = s;
-                sum += s;
-            }
+            for (int j = 0; j < G / 16; j++) sum += s16[j];
             dx[m * groups + g] = d;
             ex[m * groups + g] = d * (float)sum;
         }

@@ -19,8 +19,11 @@
  * AVX2: vpmaddubsw multiplies 32 code bytes by 32 activation bytes at once; int4 codes feed it straight
  * from the nibbles (the record's byte 2i+e holds row i's codes for two neighbouring inputs, so a broadcast
  * activation pair lines up with them); int8 codes are widened to 16 bits and paired by input for
- * vpmaddwd. NEON (records_neon.h): vmlal_s8 / vmull_s8 into 16-bit lanes, widened per record. Generic:
- * the same integer sums in plain C. Threads split the output tiles statically. */
+ * vpmaddwd. AVX-512 VNNI: vpdpbusd, 16 rows x 4 inputs a register (int4 records from 3 rows of x, int8
+ * records at any row count; see x8_q4_tile_rows_vnni and x8_q8_tile_rows_vnni). NEON (records_neon.h):
+ * vmlal_s8 / vmull_s8 into 16-bit lanes, widened per record. Generic: the same integer sums in plain C.
+ * Quantizing x is common.h's q8_group (vectorised, the same bits). Threads split the output tiles
+ * statically. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -34,30 +37,18 @@
 #define X8_MC 64       /* rows per chunk (x8_tiles); the rows kernels' L1 buffers hold this many */
 
 /* Quantizes rows [m0, m1) of x (fp32, row stride xs) to q int8 [M, K] (row stride K), d and e fp32
- * [M, K / 32]: d = max |x| / 127 over the group, q = round-half-even(x * (1 / d)) (0 when d = 0), e = d *
- * sum(q). */
-static void x8_quantize_rows(const float *x, int64_t xs, int64_t m0, int64_t m1, int64_t K, int8_t *q, float *d,
-                             float *e) {
+ * [M, K / 32]: q8_group's d and q (common.h); e = d * sum(q) for int4 records (the mins' factor), the sum
+ * of q itself for int8 records (exact in float32, |sum| <= 32 * 127: the VNNI kernel's correction). */
+static void x8_quantize_rows(const int q8, const float *x, int64_t xs, int64_t m0, int64_t m1, int64_t K,
+                             int8_t *q, float *d, float *e) {
     const int64_t groups = K / 32;
     for (int64_t m = m0; m < m1; m++)
         for (int64_t g = 0; g < groups; g++) {
-            const float *xg = x + m * xs + g * 32;
-            float amax = 0.0f;
-            for (int k = 0; k < 32; k++) {
-                const float a = fabsf(xg[k]);
-                amax = a > amax ? a : amax;
-            }
-            const float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
-            int8_t *qg = q + m * K + g * 32;
-            int32_t sum = 0;
-            for (int k = 0; k < 32; k++) {
-                float r = rintf(xg[k] * id);
-                r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-                qg[k] = (int8_t)r;
-                sum += (int32_t)r;
-            }
+            int32_t s16[2];
+            const float dd = q8_group(x + m * xs + g * 32, 32, q + m * K + g * 32, s16);
+            const float sum = (float)(s16[0] + s16[1]);
             d[m * groups + g] = dd;
-            e[m * groups + g] = dd * (float)sum;
+            e[m * groups + g] = q8 ? sum : dd * sum;
         }
 }
 
@@ -356,6 +347,11 @@ INLINE void x8_epilogue_16(__m512 *acc, __m512i isum, __m512 s, __m512 mn, float
     *acc = _mm512_add_ps(a, _mm512_mul_ps(mn, _mm512_set1_ps(e)));
 }
 
+/* *acc += isum * (s * d): x8_epilogue's operations for int8 records (no mins) on 16 lanes. */
+INLINE void x8_epilogue_16q8(__m512 *acc, __m512i isum, __m512 s, float d) {
+    *acc = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(s, _mm512_set1_ps(d))));
+}
+
 static __attribute__((noinline)) void x8_q4_tile_rows_vnni(const uint8_t *rec, int64_t groups, const int8_t *xq,
                                                            int64_t K, const float *xd, const float *xe,
                                                            int64_t rows, float *out, int64_t os) {
@@ -406,16 +402,74 @@ static __attribute__((noinline)) void x8_q4_tile_rows_vnni(const uint8_t *rec, i
     }
     for (int64_t m = 0; m < rows; m++) _mm512_storeu_ps(out + m * os, acc[m]);
 }
+
+/* int8 records for any number of rows, the int4 kernel's loop. A record's block of 4 inputs (64 bytes:
+ * input-major, 16 rows each) becomes one register of 16 rows x 4 codes by a dword permutation across the
+ * 128-bit lanes and a byte shuffle within them. vpdpbusd multiplies unsigned by signed bytes, so the codes
+ * go in offset by 128 (c ^ 0x80 = c + 128, 0..255) and each row's sum is corrected by 128 * sum(q), which
+ * x8_gemm leaves in e for int8 records: isum = sum (c + 128) q - 128 sum q, exact in int32. The epilogue is
+ * x8_epilogue's without the mins. */
+static __attribute__((noinline)) void x8_q8_tile_rows_vnni(const uint8_t *rec, int64_t groups, const int8_t *xq,
+                                                           int64_t K, const float *xd, const float *xs,
+                                                           int64_t rows, float *out, int64_t os) {
+    const __m512i lanes = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i bytes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    const __m512i offset = _mm512_set1_epi8((char)0x80);
+    __m512 acc[X8_MC] __attribute__((aligned(64)));
+    for (int64_t m = 0; m < rows; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++, rec += X8_Q8_RECORD) {
+        for (int c = 0; c < X8_Q8_RECORD; c += 64) _mm_prefetch((const char *)rec + X8_PREFETCH * X8_Q8_RECORD + c, _MM_HINT_T0);
+        __m512i w[8];
+        for (int b = 0; b < 8; b++) {
+            const __m512i raw = _mm512_xor_si512(_mm512_loadu_si512((const void *)(rec + 64 * b)), offset);
+            w[b] = _mm512_shuffle_epi8(_mm512_permutexvar_epi32(lanes, raw), bytes);
+        }
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 512))), 16));
+        const int8_t *xg = xq + 32 * g;
+        int64_t m = 0;
+        for (; m + 4 <= rows; m += 4) {
+            __m512i e[4], o[4];
+            for (int r = 0; r < 4; r++) {
+                const int8_t *xr = xg + (m + r) * K;
+                e[r] = _mm512_dpbusd_epi32(_mm512_set1_epi32(-128 * (int32_t)xs[(m + r) * groups + g]), w[0], x8_bcast4(xr));
+                o[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], x8_bcast4(xr + 4));
+            }
+            for (int b = 2; b < 8; b += 2)
+                for (int r = 0; r < 4; r++) {
+                    const int8_t *xr = xg + (m + r) * K + 4 * b;
+                    e[r] = _mm512_dpbusd_epi32(e[r], w[b], x8_bcast4(xr));
+                    o[r] = _mm512_dpbusd_epi32(o[r], w[b + 1], x8_bcast4(xr + 4));
+                }
+            for (int r = 0; r < 4; r++)
+                x8_epilogue_16q8(&acc[m + r], _mm512_add_epi32(e[r], o[r]), s, xd[(m + r) * groups + g]);
+        }
+        for (; m < rows; m++) {
+            const int8_t *xr = xg + m * K;
+            __m512i e = _mm512_dpbusd_epi32(_mm512_set1_epi32(-128 * (int32_t)xs[m * groups + g]), w[0], x8_bcast4(xr));
+            __m512i o = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], x8_bcast4(xr + 4));
+            for (int b = 2; b < 8; b += 2) {
+                e = _mm512_dpbusd_epi32(e, w[b], x8_bcast4(xr + 4 * b));
+                o = _mm512_dpbusd_epi32(o, w[b + 1], x8_bcast4(xr + 4 * b + 4));
+            }
+            x8_epilogue_16q8(&acc[m], _mm512_add_epi32(e, o), s, xd[m * groups + g]);
+        }
+    }
+    for (int64_t m = 0; m < rows; m++) _mm512_storeu_ps(out + m * os, acc[m]);
+}
 #else
 #define X8_VNNI 0
 #endif
 
-/* One or two rows keep everything in registers; from three on, the rows kernels (int4 records: the VNNI
- * kernel where the CPU has it). */
+/* One or two rows keep everything in registers; from three on, the rows kernels (the VNNI ones where the
+ * CPU has it). */
 static void x8_tile(const int q8, const uint8_t *tile, int64_t groups, const int8_t *xq, const uint32_t *xp,
                     int64_t K, int64_t xgs, const float *xd, const float *xe, int64_t rows, float *out, int64_t os) {
 #if X8_VNNI
-    if (!q8 && (rows > 2 || !xp)) { /* xp NULL: x8_gemm made no pairs (M > 2) */
+    if (q8) {
+        x8_q8_tile_rows_vnni(tile, groups, xq, K, xd, xe, rows, out, os);
+        return;
+    }
+    if (rows > 2 || !xp) { /* xp NULL: x8_gemm made no pairs (M > 2) */
         x8_q4_tile_rows_vnni(tile, groups, xq, K, xd, xe, rows, out, os);
         return;
     }
@@ -509,12 +563,12 @@ static int x8_gemm(const int q8, const float *x, int64_t xs, const uint8_t *w, i
     uint32_t *xp = (uint32_t *)(((uintptr_t)(buf + M * K) + 63) & ~(uintptr_t)63);
     float *xd = (float *)(xp + M * K / 2), *xe = xd + M * groups;
     /* Quantizing x is ~1% of the work: done here, it saves the team a barrier (costly on a busy machine). */
-    x8_quantize_rows(x, xs, 0, M, K, xq, xd, xe);
+    x8_quantize_rows(q8, x, xs, 0, M, K, xq, xd, xe);
 #if defined(__AVX2__)
-    if (q8 || !X8_VNNI || M <= 2)
+    if (!X8_VNNI || (M <= 2 && !q8))
         x8_pairs(q8, xq, M, K, xp);
     else
-        xp = NULL; /* the VNNI int4 kernel reads xq itself */
+        xp = NULL; /* the VNNI kernels read xq themselves */
 #endif
     if (nt <= 1 || tiles < 2) {
         x8_tiles(q8, w, M, K, 0, tiles, xq, xp, xd, xe, out, os);
