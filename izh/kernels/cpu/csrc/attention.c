@@ -29,11 +29,30 @@ static __attribute__((noinline)) void softmax_rows(float *restrict sc, float *re
         if (softcap > 0.0f)
             for (int64_t p = 0; p < L; p++)
                 sh[p] = softcap * (1.0f - 2.0f / (exp_f32(2.0f * sh[p] / softcap) + 1.0f));
-        float m = -INFINITY;
-        for (int64_t p = 0; p < L; p++) m = sh[p] > m ? sh[p] : m;
-        for (int64_t p = 0; p < L; p++) sh[p] = exp_f32(sh[p] - m);
-        float lanes[16] = {0};
+        /* the maximum in 16 lanes (a vector max; one scalar chain of dependent maxss was a third of this
+         * function's time), then across them: the same value in any order */
+        float top[16];
+        for (int k = 0; k < 16; k++) top[k] = -INFINITY;
         int64_t p = 0;
+#if defined(__AVX512F__) /* max_ps(s, t) is t where s is NaN or s == t: the scalar select's result */
+        __m512 t16 = _mm512_loadu_ps(top);
+        for (; p + 16 <= L; p += 16) t16 = _mm512_max_ps(_mm512_loadu_ps(sh + p), t16);
+        _mm512_storeu_ps(top, t16);
+#elif defined(__AVX2__)
+        __m256 t8[2] = {_mm256_loadu_ps(top), _mm256_loadu_ps(top + 8)};
+        for (; p + 16 <= L; p += 16)
+            for (int h = 0; h < 2; h++) t8[h] = _mm256_max_ps(_mm256_loadu_ps(sh + p + 8 * h), t8[h]);
+        _mm256_storeu_ps(top, t8[0]);
+        _mm256_storeu_ps(top + 8, t8[1]);
+#endif
+        for (; p + 16 <= L; p += 16)
+            for (int k = 0; k < 16; k++) top[k] = sh[p + k] > top[k] ? sh[p + k] : top[k];
+        for (int k = 0; p + k < L; k++) top[k] = sh[p + k] > top[k] ? sh[p + k] : top[k];
+        float m = -INFINITY;
+        for (int k = 0; k < 16; k++) m = top[k] > m ? top[k] : m;
+        for (p = 0; p < L; p++) sh[p] = exp_f32(sh[p] - m);
+        float lanes[16] = {0};
+        p = 0;
         for (; p + 16 <= L; p += 16)
             for (int k = 0; k < 16; k++) lanes[k] += sh[p + k];
         for (int k = 0; p + k < L; k++) lanes[k] += sh[p + k];
