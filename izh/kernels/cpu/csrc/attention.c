@@ -313,6 +313,69 @@ INLINE void prefetch_rows_l2(const void *cache, const int32_t *blocks, int64_t p
     }
 }
 
+/* The scores of one query head (q: its row, in the rows' format) against the m (<= 16) rows rk, times
+ * scale, into sh[0 .. m): 16 lane-wise products, then one shuffle tree (sum16). attn_item_vec's decode and
+ * attn_items_f32's prefill queries both come here, so a query's scores are the same either way. */
+INLINE FAST_FP void attn_scores16(const void *q, const void **rk, int64_t m, const int64_t D, const int bf,
+                                  float scale, float *sh) {
+    const int64_t NC = (D + 31) / 32;
+    v16f qa[MAX_NC], qb[MAX_NC], a[16];
+    for (int64_t c = 0; c < NC; c++) ld32_row(q, c, D, bf, &qa[c], &qb[c]);
+    for (int64_t o = 0; o < 16; o++) {
+        v16f x = {0}, ka, kb;
+        if (o < m)
+            for (int64_t c = 0; c < NC; c++) {
+                ld32_row(rk[o], c, D, bf, &ka, &kb);
+                x += qa[c] * ka + qb[c] * kb;
+            }
+        a[o] = x;
+    }
+    v16f sums = sum16(a) * scale;
+    if (m == 16)
+        memcpy(sh, &sums, sizeof sums);
+    else
+        for (int64_t o = 0; o < m; o++) sh[o] = sums[o];
+}
+
+/* ah[0 .. D) (padded to 32) += the m (<= 16) rows rv weighted by wh[0 .. m), position by position, in two
+ * accumulator sets (even / odd positions: half the FMA dependency chains) added at the end. */
+INLINE FAST_FP void attn_values16(float *ah, const float *wh, const void **rv, int64_t m, const int64_t D,
+                                  const int bf) {
+    const int64_t NC = (D + 31) / 32;
+    v16f aa[2][MAX_NC], ab[2][MAX_NC];
+    for (int64_t c = 0; c < NC; c++) {
+        memcpy(&aa[0][c], ah + 32 * c, sizeof aa[0][c]);
+        memcpy(&ab[0][c], ah + 32 * c + 16, sizeof ab[0][c]);
+        aa[1][c] = (v16f){0};
+        ab[1][c] = (v16f){0};
+    }
+    int64_t o = 0;
+    for (; o + 1 < m; o += 2) {
+        const float w0 = wh[o], w1 = wh[o + 1];
+        for (int64_t c = 0; c < NC; c++) {
+            v16f va, vb;
+            ld32_row(rv[o], c, D, bf, &va, &vb);
+            aa[0][c] += w0 * va;
+            ab[0][c] += w0 * vb;
+            ld32_row(rv[o + 1], c, D, bf, &va, &vb);
+            aa[1][c] += w1 * va;
+            ab[1][c] += w1 * vb;
+        }
+    }
+    if (o < m)
+        for (int64_t c = 0; c < NC; c++) {
+            v16f va, vb;
+            ld32_row(rv[o], c, D, bf, &va, &vb);
+            aa[0][c] += wh[o] * va;
+            ab[0][c] += wh[o] * vb;
+        }
+    for (int64_t c = 0; c < NC; c++) {
+        v16f sa = aa[0][c] + aa[1][c], sb = ab[0][c] + ab[1][c];
+        memcpy(ah + 32 * c, &sa, sizeof sa);
+        memcpy(ah + 32 * c + 16, &sb, sizeof sb);
+    }
+}
+
 /* One (sequence, KV head) item. bf: the rows' format as loaded (bf16 rows in the (even, odd) order, else
  * float32); qbf: q's and out's dtype. conv: the cache holds kv type kt (rows of rb bytes), converted to
  * float32 16 rows at a time into `tile` (in the scratch, L1-sized) just before they are used, each row once
@@ -389,23 +452,7 @@ INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q
         for (int64_t hh = 0; hh < group; hh++) {
             const void *qp = conv && qbf != bf ? (const void *)(qf + hh * DP)
                                                : (const void *)off(q, i * q_ts + (g * group + hh) * q_hs, bf);
-            v16f qa[MAX_NC], qb[MAX_NC], a[16];
-            for (int64_t c = 0; c < NC; c++) ld32_row(qp, c, D, bf, &qa[c], &qb[c]);
-            for (int64_t o = 0; o < 16; o++) {
-                v16f x = {0}, ka, kb;
-                if (o < m)
-                    for (int64_t c = 0; c < NC; c++) {
-                        ld32_row(rk[o], c, D, bf, &ka, &kb);
-                        x += qa[c] * ka + qb[c] * kb;
-                    }
-                a[o] = x;
-            }
-            v16f sums = sum16(a) * scale;
-            float *sh = sc + hh * L + p0;
-            if (m == 16)
-                memcpy(sh, &sums, sizeof sums);
-            else
-                for (int64_t o = 0; o < m; o++) sh[o] = sums[o];
+            attn_scores16(qp, rk, m, D, bf, scale, sc + hh * L + p0);
         }
         m = m_next;
     }
@@ -417,43 +464,7 @@ INLINE FAST_FP void attn_item_vec(int64_t i, int64_t g, const void *q, int64_t q
         if (conv) kv_tile(tile, DP, rv, m, D, kt);
         const int64_t m_next = row_ptrs(rows[cur ^ 1], vc, blocks, S + p0 + 16, S + L, block_size, kvh, g, rb);
         prefetch_rows_l2(vc, blocks, S + p0 + ATTN_L2_AHEAD, S + L, block_size, kvh, g, rb);
-        for (int64_t hh = 0; hh < group; hh++) {
-            /* two accumulator sets (even / odd positions) halve the FMA dependency chains */
-            v16f aa[2][MAX_NC], ab[2][MAX_NC];
-            float *ah = acc + hh * DP;
-            for (int64_t c = 0; c < NC; c++) {
-                memcpy(&aa[0][c], ah + 32 * c, sizeof aa[0][c]);
-                memcpy(&ab[0][c], ah + 32 * c + 16, sizeof ab[0][c]);
-                aa[1][c] = (v16f){0};
-                ab[1][c] = (v16f){0};
-            }
-            const float *wh = sc + hh * L + p0;
-            int64_t o = 0;
-            for (; o + 1 < m; o += 2) {
-                const float w0 = wh[o], w1 = wh[o + 1];
-                for (int64_t c = 0; c < NC; c++) {
-                    v16f va, vb;
-                    ld32_row(rv[o], c, D, bf, &va, &vb);
-                    aa[0][c] += w0 * va;
-                    ab[0][c] += w0 * vb;
-                    ld32_row(rv[o + 1], c, D, bf, &va, &vb);
-                    aa[1][c] += w1 * va;
-                    ab[1][c] += w1 * vb;
-                }
-            }
-            if (o < m)
-                for (int64_t c = 0; c < NC; c++) {
-                    v16f va, vb;
-                    ld32_row(rv[o], c, D, bf, &va, &vb);
-                    aa[0][c] += wh[o] * va;
-                    ab[0][c] += wh[o] * vb;
-                }
-            for (int64_t c = 0; c < NC; c++) {
-                v16f sa = aa[0][c] + aa[1][c], sb = ab[0][c] + ab[1][c];
-                memcpy(ah + 32 * c, &sa, sizeof sa);
-                memcpy(ah + 32 * c + 16, &sb, sizeof sb);
-            }
-        }
+        for (int64_t hh = 0; hh < group; hh++) attn_values16(acc + hh * DP, sc + hh * L + p0, rv, m, D, bf);
         m = m_next;
     }
     for (int64_t hh = 0; hh < group; hh++) {
@@ -694,6 +705,135 @@ INLINE int64_t window_start(int64_t L, int64_t window) { return window > 0 && L 
 DEFINE_ATTN_ITEM(f32, 0)
 DEFINE_ATTN_ITEM(bf16, 1)
 
+
+/* Prefill rows that share their keys: up to ATTN_MQ consecutive rows i0 .. i0+R-1 of one sequence whose
+ * lengths are L0, L0 + 1, .., L0 + R - 1 (the tokens of a prefill chunk) with the same first position S (no
+ * sliding window cuts them), for KV head g, in float32 (the activations' and the cache's dtype). Each query
+ * gets attn_item_vec's float32 arithmetic exactly (attn_scores16, softmax_rows, attn_values16, the same
+ * chunks of 16 positions, the same stores), so a token's attention is the same as its decode's; only the
+ * loop order changes: each chunk of K and V rows is fetched once for the R queries, not R times (a long
+ * prompt's keys stream from memory once per R tokens). The scratch holds R items' worth of buffers. */
+#define ATTN_MQ 8
+
+INLINE FAST_FP void attn_items_f32(int64_t i0, int64_t R, int64_t g, const float *q, int64_t q_ts, int64_t q_hs,
+                                   const void *kc, const void *vc, int64_t block_size, int64_t kvh,
+                                   const int32_t *blocks, int64_t S, int64_t L0, float *out, int64_t H,
+                                   const int64_t D, float scale, float softcap, float *buf) {
+    const int64_t group = H / kvh, NC = (D + 31) / 32, DP = NC * 32, Lmax = L0 + R - 1, rb = D * 4;
+    float *restrict sc = buf;                   /* query r: [group, L0 + r] at r * group * Lmax */
+    float *restrict acc = sc + R * group * Lmax; /* [R, group, DP] */
+    float *restrict inv = acc + R * group * DP;  /* [R, group] */
+    const void *rows[2][16];
+    int64_t m = row_ptrs(rows[0], kc, blocks, S, S + Lmax, block_size, kvh, g, rb);
+    for (int64_t p0 = 0, cur = 0; p0 < Lmax; p0 += 16, cur ^= 1) {
+        const void **rk = rows[cur];
+        const int64_t m_next = row_ptrs(rows[cur ^ 1], kc, blocks, S + p0 + 16, S + Lmax, block_size, kvh, g, rb);
+        prefetch_rows_l2(kc, blocks, S + p0 + ATTN_L2_AHEAD, S + Lmax, block_size, kvh, g, rb);
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t L = L0 + r, mr = L - p0 < m ? L - p0 : m;
+            if (mr <= 0) continue;
+            for (int64_t hh = 0; hh < group; hh++)
+                attn_scores16(q + (i0 + r) * q_ts + (g * group + hh) * q_hs, rk, mr, D, 0, scale,
+                              sc + r * group * Lmax + hh * L + p0);
+        }
+        m = m_next;
+    }
+    for (int64_t r = 0; r < R; r++) softmax_rows(sc + r * group * Lmax, inv + r * group, group, L0 + r, softcap);
+    for (int64_t j = 0; j < R * group * DP; j++) acc[j] = 0.0f;
+    m = row_ptrs(rows[0], vc, blocks, S, S + Lmax, block_size, kvh, g, rb);
+    for (int64_t p0 = 0, cur = 0; p0 < Lmax; p0 += 16, cur ^= 1) {
+        const void **rv = rows[cur];
+        const int64_t m_next = row_ptrs(rows[cur ^ 1], vc, blocks, S + p0 + 16, S + Lmax, block_size, kvh, g, rb);
+        prefetch_rows_l2(vc, blocks, S + p0 + ATTN_L2_AHEAD, S + Lmax, block_size, kvh, g, rb);
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t L = L0 + r, mr = L - p0 < m ? L - p0 : m;
+            if (mr <= 0) continue;
+            for (int64_t hh = 0; hh < group; hh++)
+                attn_values16(acc + (r * group + hh) * DP, sc + r * group * Lmax + hh * L + p0, rv, mr, D, 0);
+        }
+        m = m_next;
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t hh = 0; hh < group; hh++) {
+            float *oh = out + ((i0 + r) * H + g * group + hh) * D;
+            for (int64_t c = 0; c < NC; c++) {
+                v16f aa, ab;
+                memcpy(&aa, acc + (r * group + hh) * DP + 32 * c, sizeof aa);
+                memcpy(&ab, acc + (r * group + hh) * DP + 32 * c + 16, sizeof ab);
+                st32_row(oh, c, D, aa, ab, inv[r * group + hh], 0, 0);
+            }
+        }
+}
+
+static FAST_FP __attribute__((noinline)) void attn_items_f32_any(int64_t i0, int64_t R, int64_t g, const float *q,
+                                                                 int64_t q_ts, int64_t q_hs, const void *kc,
+                                                                 const void *vc, int64_t block_size, int64_t kvh,
+                                                                 const int32_t *blocks, int64_t S, int64_t L0,
+                                                                 float *out, int64_t H, int64_t d, float scale,
+                                                                 float softcap, float *buf) {
+    if (d == 64)
+        attn_items_f32(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L0, out, H, 64, scale, softcap, buf);
+    else if (d == 128)
+        attn_items_f32(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L0, out, H, 128, scale, softcap,
+                       buf);
+    else
+        attn_items_f32(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L0, out, H, d, scale, softcap, buf);
+}
+
+/* izh_paged_attention_f32's prefill rows through attn_items_f32 (float32 cache, builds whose float32 item is
+ * attn_item_vec): runs[2 j], runs[2 j + 1] = the first row and the count of run j. Returns 0, or -4 when out
+ * of memory. */
+static int attn_prefill_f32(const float *q, int64_t q_ts, int64_t q_hs, const void *kc, const void *vc,
+                            int64_t block_size, int64_t kvh, const int32_t *block_tables, int64_t max_blocks,
+                            const int32_t *row_seq, const int32_t *seq_lens, int64_t window, float softcap,
+                            float *out, int64_t n, int64_t H, int64_t d, float scale, int64_t max_len, int nt,
+                            int64_t work) {
+    int64_t *runs = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)n);
+    if (!runs) return -4;
+    int64_t nruns = 0;
+    for (int64_t i = 0; i < n;) {
+        const int64_t S = window_start(seq_lens[i], window);
+        int64_t j = i + 1;
+        while (seq_lens[i] - S > 0 && j < n && j - i < ATTN_MQ && row_seq[j] == row_seq[i] &&
+               seq_lens[j] == seq_lens[j - 1] + 1 && window_start(seq_lens[j], window) == S)
+            j++;
+        runs[2 * nruns] = i;
+        runs[2 * nruns + 1] = j - i;
+        nruns++;
+        i = j;
+    }
+    const int64_t group = H / kvh, DP = (d + 31) / 32 * 32;
+    /* attn_items_f32's buffers for ATTN_MQ queries, or attn_item_f32's for one */
+    const size_t scratch = (size_t)(ATTN_MQ * group * (max_len + ATTN_MQ + DP + 1) + group * (max_len + 2 * d + 64) +
+                                    group + 32 + 16 * (d + 32) + 64) *
+                           sizeof(float);
+    const int64_t items = nruns * kvh;
+    int failed = 0;
+    if (nt <= 1 || work * H * d < PAR_MIN_ATTN || items <= 1) nt = 1;
+#pragma omp parallel num_threads(nt) reduction(| : failed)
+    {
+        float *buf = (float *)malloc(scratch);
+        failed |= buf == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++)
+            if (buf) {
+                const int64_t j = it / kvh, g = it % kvh, i0 = runs[2 * j], R = runs[2 * j + 1];
+                const int64_t S = window_start(seq_lens[i0], window);
+                if (R == 1) { /* a row alone: the decode's item itself */
+                    attn_item_f32(i0 * kvh + g, q, q_ts, q_hs, kc, vc, block_size, kvh, block_tables, max_blocks,
+                                  row_seq, seq_lens, window, softcap, out, H, d, scale, buf, KV_F32);
+                    continue;
+                }
+                const int32_t *blocks = block_tables + row_seq[i0] * max_blocks;
+                attn_items_f32_any(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, seq_lens[i0] - S,
+                                   out, H, d, scale, softcap, buf);
+            }
+        free(buf);
+    }
+    free(runs);
+    return failed ? -4 : 0;
+}
+
 /* Validates every index, then writes the new K/V (all writes precede all reads). Returns 0, or a
  * negative code when an index is out of range (nothing is read or written out of bounds then):
  * -1 slot_mapping >= num_blocks * block_size, -2 seq_len > max_blocks * block_size or < 0, -3 a block id
@@ -766,6 +906,10 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
                               block_tables, max_blocks, row_seq, num_seqs, seq_lens, window, n, d, &max_len, &work, \
                               BF);                                                                           \
         if (rc != 0) return rc;                                                                              \
+        if (!(BF) && !ATTN_AVX2 && row_seq && kv_type == KV_F32 && n > 1)                                     \
+            return attn_prefill_f32((const float *)q, q_ts, q_hs, kc, vc, block_size, kvh, block_tables,        \
+                                    max_blocks, row_seq, seq_lens, window, softcap, (float *)out, n, H, d, scale, \
+                                    max_len, nt, work);                                                      \
         const int64_t group = H / kvh;                                                                       \
         const size_t scratch = (size_t)(group * (max_len + 2 * d + 64) + group + 32 + 16 * (d + 32)) * sizeof(float); \
         const int64_t items = n * kvh;                                                                       \
