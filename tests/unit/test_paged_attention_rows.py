@@ -78,7 +78,9 @@ class _Sequences:
 
 @pytest.mark.parametrize("d", [64, 80, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_rows_equal_the_decode_kernel_at_their_position(variant: str, dtype: torch.dtype, d: int) -> None:
+def test_prefill_rows_equal_the_decode_kernel_at_their_position(
+    variant: str, dtype: torch.dtype, d: int
+) -> None:
     """A 70-token prompt in one chunk, in chunks of 33 + 37, and token by token as decodes: the same bits,
     and close to the float64 reference. (A float32 chunk's consecutive tokens share their keys' loads, up
     to 8 at a time: 70 and 37 end on partial runs.)"""

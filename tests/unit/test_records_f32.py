@@ -54,7 +54,16 @@ def test_the_reference_quantizes_each_group_of_32_to_int8() -> None:
 @pytest.mark.parametrize(
     ("m", "n", "k"),
     # the VNNI kernels take 4 rows at a time: 13, 33 and 70 end on a remainder
-    [(1, 16, 32), (1, 64, 64), (3, 96, 320), (7, 32, 64), (13, 48, 288), (16, 32, 64), (33, 48, 96), (70, 64, 1536)],
+    [
+        (1, 16, 32),
+        (1, 64, 64),
+        (3, 96, 320),
+        (7, 32, 64),
+        (13, 48, 288),
+        (16, 32, 64),
+        (33, 48, 96),
+        (70, 64, 1536),
+    ],
 )
 def test_float32_record_matmul_is_its_reference_bit_for_bit(
     variant: str, kind: str, m: int, n: int, k: int
