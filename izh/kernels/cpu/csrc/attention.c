@@ -519,6 +519,20 @@ INLINE void f32_values_avx2(float *oh, const float *vc, const int32_t *blocks, i
     for (int64_t c = 0; c < nc; c++) _mm256_storeu_ps(oh + 8 * c, _mm256_mul_ps(acc[c], vi));
 }
 
+/* The scores of one query head qh against 8 rows (past the end: a zero row), times scale, into sh[0 .. m):
+ * 8 independent chains of FMAs over the NC 8-float chunks, then one horizontal-add tree. Shared by the
+ * decode item and the prefill rows (attn_items_f32_avx2). */
+INLINE FAST_FP void attn_scores8(const float *qh, const float *const *rows, int64_t NC, float scale, float *sh,
+                                 int64_t m) {
+    __m256 acc[8];
+    for (int o = 0; o < 8; o++) acc[o] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < NC; c++) { /* 8 independent chains */
+        const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
+        for (int o = 0; o < 8; o++) acc[o] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(rows[o] + 8 * c), acc[o]);
+    }
+    store_scores8(sh, _mm256_mul_ps(attn_hsum8(acc), _mm256_set1_ps(scale)), m);
+}
+
 static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int64_t g, const float *q, int64_t q_ts,
                                                                  int64_t q_hs, const float *kc, const float *vc,
                                                                  int64_t block_size, int64_t kvh,
@@ -544,16 +558,8 @@ static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int6
             const char *r = (const char *)kv_row(kc, blocks, S + p, block_size, kvh, g, D * 4);
             for (int64_t x = 0; x < D * 4; x += 64) _mm_prefetch(r + x, _MM_HINT_T0);
         }
-        for (int64_t hh = 0; hh < group; hh++) {
-            const float *qh = q + i * q_ts + (g * group + hh) * q_hs;
-            __m256 acc[8];
-            for (int o = 0; o < 8; o++) acc[o] = _mm256_setzero_ps();
-            for (int64_t c = 0; c < NC; c++) { /* 8 independent chains */
-                const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
-                for (int o = 0; o < 8; o++) acc[o] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(rows[o] + 8 * c), acc[o]);
-            }
-            store_scores8(sc + hh * L + p0, _mm256_mul_ps(attn_hsum8(acc), _mm256_set1_ps(scale)), m);
-        }
+        for (int64_t hh = 0; hh < group; hh++)
+            attn_scores8(q + i * q_ts + (g * group + hh) * q_hs, rows, NC, scale, sc + hh * L + p0, m);
     }
     softmax_rows(sc, inv, group, L, softcap);
     for (int64_t hh = 0; hh < group; hh++) {
@@ -568,6 +574,78 @@ static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int6
         }
     }
 }
+/* Prefill rows that share their keys on AVX2 (attn_items_f32's contract; rows i0 .. i0+R-1 of lengths L0 + r,
+ * first position S): per query attn_item_f32_avx2's arithmetic exactly (attn_scores8 per 8 positions; each
+ * value chunk one FMA chain over the positions in order, here held in memory between groups of 8 positions,
+ * which keeps its bits), with each group of 8 K or V rows fetched once for the R queries. */
+static FAST_FP __attribute__((noinline)) void attn_items_f32_avx2(int64_t i0, int64_t R, int64_t g, const float *q,
+                                                                  int64_t q_ts, int64_t q_hs, const float *kc,
+                                                                  const float *vc, int64_t block_size, int64_t kvh,
+                                                                  const int32_t *blocks, int64_t S, int64_t L0,
+                                                                  float *out, int64_t H, const int64_t D,
+                                                                  float scale, float softcap, float *buf) {
+    const int64_t group = H / kvh, NC = D / 8, Lmax = L0 + R - 1;
+    float *restrict sc = buf;                    /* query r: [group, L0 + r] at r * group * Lmax */
+    float *restrict acc = sc + R * group * Lmax; /* [R, group, D] */
+    float *restrict inv = acc + R * group * D;   /* [R, group] */
+    const float *rows[8];
+    float zero[512] __attribute__((aligned(32)));
+    memset(zero, 0, sizeof(float) * (size_t)D);
+    for (int64_t p0 = 0; p0 < Lmax; p0 += 8) {
+        const int64_t m = Lmax - p0 < 8 ? Lmax - p0 : 8;
+        for (int64_t o = 0; o < 8; o++)
+            rows[o] = o < m ? (const float *)kv_row(kc, blocks, S + p0 + o, block_size, kvh, g, D * 4) : zero;
+        for (int64_t p = p0 + 8; p < p0 + 16 && p < Lmax; p++) {
+            const char *r = (const char *)kv_row(kc, blocks, S + p, block_size, kvh, g, D * 4);
+            for (int64_t x = 0; x < D * 4; x += 64) _mm_prefetch(r + x, _MM_HINT_T0);
+        }
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t L = L0 + r, mr = L - p0 < m ? L - p0 : m;
+            if (mr <= 0) continue;
+            const float *rr[8]; /* the query's rows: zero past its own end, as its decode sees them */
+            for (int64_t o = 0; o < 8; o++) rr[o] = o < mr ? rows[o] : zero;
+            for (int64_t hh = 0; hh < group; hh++)
+                attn_scores8(q + (i0 + r) * q_ts + (g * group + hh) * q_hs, rr, NC, scale,
+                             sc + r * group * Lmax + hh * L + p0, mr);
+        }
+    }
+    for (int64_t r = 0; r < R; r++) softmax_rows(sc + r * group * Lmax, inv + r * group, group, L0 + r, softcap);
+    for (int64_t j = 0; j < R * group * D; j++) acc[j] = 0.0f;
+    for (int64_t p0 = 0; p0 < Lmax; p0 += 8) {
+        const int64_t m = Lmax - p0 < 8 ? Lmax - p0 : 8;
+        for (int64_t o = 0; o < m; o++) rows[o] = (const float *)kv_row(vc, blocks, S + p0 + o, block_size, kvh, g, D * 4);
+        for (int64_t p = p0 + 8; p < p0 + 16 && p < Lmax; p++) {
+            const char *r = (const char *)kv_row(vc, blocks, S + p, block_size, kvh, g, D * 4);
+            for (int64_t x = 0; x < D * 4; x += 64) _mm_prefetch(r + x, _MM_HINT_T0);
+        }
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t L = L0 + r, mr = L - p0 < m ? L - p0 : m;
+            for (int64_t hh = 0; hh < group; hh++) {
+                const float *wh = sc + r * group * Lmax + hh * L + p0;
+                float *ah = acc + (r * group + hh) * D;
+                for (int64_t c0 = 0; c0 < NC; c0 += 8) {
+                    const int64_t nc = NC - c0 < 8 ? NC - c0 : 8;
+                    __m256 a[8];
+                    for (int64_t c = 0; c < nc; c++) a[c] = _mm256_loadu_ps(ah + 8 * (c0 + c));
+                    for (int64_t o = 0; o < mr; o++) {
+                        const __m256 w = _mm256_set1_ps(wh[o]);
+                        for (int64_t c = 0; c < nc; c++)
+                            a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows[o] + 8 * (c0 + c)), a[c]);
+                    }
+                    for (int64_t c = 0; c < nc; c++) _mm256_storeu_ps(ah + 8 * (c0 + c), a[c]);
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t hh = 0; hh < group; hh++) {
+            const __m256 vi = _mm256_set1_ps(inv[r * group + hh]);
+            float *oh = out + ((i0 + r) * H + g * group + hh) * D;
+            const float *ah = acc + (r * group + hh) * D;
+            for (int64_t c = 0; c < NC; c++) _mm256_storeu_ps(oh + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(ah + 8 * c), vi));
+        }
+}
+
 #define ATTN_AVX2_ITEM(D)                                                                                    \
     attn_item_f32_avx2(i, g, (const float *)q, q_ts, q_hs, (const float *)kc, (const float *)vc, block_size, kvh, \
                        blocks, S, L, (float *)out, H, D, scale, softcap, buf);
@@ -780,9 +858,9 @@ static FAST_FP __attribute__((noinline)) void attn_items_f32_any(int64_t i0, int
         attn_items_f32(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L0, out, H, d, scale, softcap, buf);
 }
 
-/* izh_paged_attention_f32's prefill rows through attn_items_f32 (float32 cache, builds whose float32 item is
- * attn_item_vec): runs[2 j], runs[2 j + 1] = the first row and the count of run j. Returns 0, or -4 when out
- * of memory. */
+/* izh_paged_attention_f32's prefill rows over a float32 cache: runs of rows that share their keys through
+ * attn_items_f32 (attn_items_f32_avx2 where the build's decode item is attn_item_f32_avx2), a row alone
+ * through the decode item itself. Returns 0, or -4 when out of memory. */
 static int attn_prefill_f32(const float *q, int64_t q_ts, int64_t q_hs, const void *kc, const void *vc,
                             int64_t block_size, int64_t kvh, const int32_t *block_tables, int64_t max_blocks,
                             const int32_t *row_seq, const int32_t *seq_lens, int64_t window, float softcap,
@@ -825,6 +903,13 @@ static int attn_prefill_f32(const float *q, int64_t q_ts, int64_t q_hs, const vo
                     continue;
                 }
                 const int32_t *blocks = block_tables + row_seq[i0] * max_blocks;
+#if ATTN_AVX2
+                if (d % 8 == 0) { /* the AVX2 build's float32 item is attn_item_f32_avx2 for these */
+                    attn_items_f32_avx2(i0, R, g, q, q_ts, q_hs, (const float *)kc, (const float *)vc, block_size, kvh,
+                                        blocks, S, seq_lens[i0] - S, out, H, d, scale, softcap, buf);
+                    continue;
+                }
+#endif
                 attn_items_f32_any(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, seq_lens[i0] - S,
                                    out, H, d, scale, softcap, buf);
             }
@@ -906,7 +991,7 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
                               block_tables, max_blocks, row_seq, num_seqs, seq_lens, window, n, d, &max_len, &work, \
                               BF);                                                                           \
         if (rc != 0) return rc;                                                                              \
-        if (!(BF) && !ATTN_AVX2 && row_seq && kv_type == KV_F32 && n > 1)                                     \
+        if (!(BF) && row_seq && kv_type == KV_F32 && n > 1)                                                                                        \
             return attn_prefill_f32((const float *)q, q_ts, q_hs, kc, vc, block_size, kvh, block_tables,        \
                                     max_blocks, row_seq, seq_lens, window, softcap, (float *)out, n, H, d, scale, \
                                     max_len, nt, work);                                                      \
