@@ -460,8 +460,9 @@ static __attribute__((noinline)) void x8_q8_tile_rows_vnni(const uint8_t *rec, i
 #define X8_VNNI 0
 #endif
 
-/* One or two rows keep everything in registers; from three on, the rows kernels (the VNNI ones where the
- * CPU has it). */
+/* With VNNI, int8 records take their VNNI kernel at any row count (at 1 row as fast as the AVX2 register
+ * tile, 1.5x at 2); int4 records keep one or two rows in the AVX2 registers and take the VNNI kernel from
+ * three. Without, the AVX2 tiles: registers for one or two rows, the rows kernels from three. */
 static void x8_tile(const int q8, const uint8_t *tile, int64_t groups, const int8_t *xq, const uint32_t *xp,
                     int64_t K, int64_t xgs, const float *xd, const float *xe, int64_t rows, float *out, int64_t os) {
 #if X8_VNNI
