@@ -145,6 +145,16 @@ INLINE float q8_group_scalar(const float *xg, int G, int8_t *qg, int32_t *s16) {
     return d;
 }
 
+#if defined(__AVX2__)
+/* The sum of v's 8 int32 lanes. */
+INLINE int32_t hsum8_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+#endif
+
 #if defined(__AVX512F__)
 INLINE float q8_group(const float *xg, int G, int8_t *qg, int32_t *s16) {
     __m512 m = _mm512_setzero_ps();
@@ -178,13 +188,7 @@ INLINE float q8_group(const float *xg, int G, int8_t *qg, int32_t *s16) {
                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
         }
-        for (int i = 0; i < 2; i++) {
-            const __m256i t = _mm256_add_epi32(q[2 * i], q[2 * i + 1]);
-            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-            s16[k / 16 + i] = _mm_cvtsi128_si32(s);
-        }
+        for (int i = 0; i < 2; i++) s16[k / 16 + i] = hsum8_epi32(_mm256_add_epi32(q[2 * i], q[2 * i + 1]));
         const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
         _mm256_storeu_si256((__m256i *)(qg + k), _mm256_permutevar8x32_epi32(b, order));
     }

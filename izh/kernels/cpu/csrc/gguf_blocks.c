@@ -345,13 +345,6 @@ INLINE int32_t gq_dot_c(const int8_t *c, const int8_t *q, const int32_t *s, cons
 }
 
 #if defined(__AVX2__)
-INLINE int32_t gq_hsum8(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
-
 /* 8 int32 lanes of c . q for 32 inputs, lanes 0-3 inputs 0-15, lanes 4-7 inputs 16-31. */
 INLINE __m256i gq_dot32(__m256i abs_c, __m256i c, __m256i q) {
     const __m256i sq = _mm256_sign_epi8(q, c);
@@ -424,7 +417,7 @@ INLINE void gq_rows(const int type, const uint8_t *w, int64_t row_bytes, int64_t
                         const __m256i d = gq_dot32(ac[r], cc[r], _mm256_loadu_si256((const __m256i *)(q + 32 * r)));
                         t = _mm256_add_epi32(t, bs == 32 ? d : _mm256_mullo_epi32(d, sv[r]));
                     }
-                    isum = gq_hsum8(t);
+                    isum = hsum8_epi32(t);
 #else
                     isum = gq_dot_c(blk.c, q, blk.s, bs);
 #endif

@@ -330,11 +330,8 @@ DEFINE_X8_TILE(2)
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define X8_VNNI 1
-/* AVX-512 VNNI (the avx512 and amx variants): int4 records for any number of rows. A record's 8 blocks of
- * 4 inputs become 8 registers of 16 rows x 4 unsigned codes (the low nibbles of the row's two bytes, then
- * the high ones: inputs 4b .. 4b+3 in order), built once per record and shared by every row of the chunk;
- * each row then takes 8 vpdpbusd against its 4-code words broadcast (exact int32 sums, the same as the
- * AVX2 and portable code's), and the epilogue is x8_epilogue's operations on 16 lanes. */
+/* AVX-512 VNNI (the avx512 and amx variants): the records for any number of rows (x8_tile_rows_vnni below;
+ * exact int32 sums, the same as the AVX2 and portable code's, and x8_epilogue's operations on 16 lanes). */
 INLINE __m512i x8_bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -352,23 +349,66 @@ INLINE void x8_epilogue_16q8(__m512 *acc, __m512i isum, __m512 s, float d) {
     *acc = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(s, _mm512_set1_ps(d))));
 }
 
-static __attribute__((noinline)) void x8_q4_tile_rows_vnni(const uint8_t *rec, int64_t groups, const int8_t *xq,
-                                                           int64_t K, const float *xd, const float *xe,
-                                                           int64_t rows, float *out, int64_t os) {
-    const __m256i nib = _mm256_set1_epi8(0x0F);
-    __m512 acc[X8_MC] __attribute__((aligned(64)));
-    for (int64_t m = 0; m < rows; m++) acc[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++, rec += X8_Q4_RECORD) {
-        for (int c = 0; c < X8_Q4_RECORD; c += 64) _mm_prefetch((const char *)rec + X8_PREFETCH * X8_Q4_RECORD + c, _MM_HINT_T0);
-        __m512i w[8];
+/* A record's 32 inputs as 8 registers of 16 rows x 4 codes (w[b]: inputs 4b .. 4b+3, one 32-bit lane per
+ * row), the form vpdpbusd takes. int4: the low nibbles of the row's two bytes, then the high ones. int8: a
+ * block's 64 bytes (input-major, 16 rows each) by a dword permutation across the 128-bit lanes and a byte
+ * shuffle within them, each code offset by 128 (c ^ 0x80 = c + 128, 0..255: vpdpbusd multiplies unsigned
+ * by signed bytes). */
+INLINE void x8_codes16(const int q8, const uint8_t *rec, __m512i *w) {
+    if (q8) {
+        const __m512i lanes = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        const __m512i bytes =
+            _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+        const __m512i offset = _mm512_set1_epi8((char)0x80);
+        for (int b = 0; b < 8; b++) {
+            const __m512i raw = _mm512_xor_si512(_mm512_loadu_si512((const void *)(rec + 64 * b)), offset);
+            w[b] = _mm512_shuffle_epi8(_mm512_permutexvar_epi32(lanes, raw), bytes);
+        }
+    } else {
+        const __m256i nib = _mm256_set1_epi8(0x0F);
         for (int b = 0; b < 8; b++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 32 * b));
             const __m512i lo = _mm512_cvtepu16_epi32(_mm256_and_si256(raw, nib));
             const __m512i hi = _mm512_cvtepu16_epi32(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib));
             w[b] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
         }
-        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 256))), 16));
-        const __m512 mn = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 288))), 16));
+    }
+}
+
+/* 16 bf16 scales as float32. */
+INLINE __m512 x8_bf16x16(const uint8_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* Row m's sums against the record's codes w, 8 vpdpbusd in two chains (even and odd blocks). The int8
+ * codes' offset is taken back at the start: e holds 128 * sum(q) negated (x8_gemm leaves sum(q) in xe for
+ * int8 records), so isum = sum (c + 128) q - 128 sum q, exact in int32. */
+INLINE __m512i x8_start_vnni(const int q8, const float *xe, int64_t i) {
+    return q8 ? _mm512_set1_epi32(-128 * (int32_t)xe[i]) : _mm512_setzero_si512();
+}
+
+/* The epilogue of one row and group: x8_epilogue's operations in its order on 16 lanes. */
+INLINE void x8_epilogue_vnni(const int q8, __m512 *acc, __m512i isum, __m512 s, __m512 mn, const float *xd,
+                             const float *xe, int64_t i) {
+    if (q8)
+        x8_epilogue_16q8(acc, isum, s, xd[i]);
+    else
+        x8_epilogue_16(acc, isum, s, mn, xd[i], xe[i]);
+}
+
+/* The records for any number of rows (int4 from 3 rows, int8 at any count: x8_tile): a record's codes are
+ * built once (x8_codes16) and shared by every row of the chunk; each row then takes 8 vpdpbusd against its
+ * 4-code words broadcast, 4 rows at a time. One body, stamped for int4 and int8. */
+INLINE void x8_tile_rows_vnni(const int q8, const uint8_t *rec, int64_t groups, const int8_t *xq, int64_t K,
+                              const float *xd, const float *xe, int64_t rows, float *out, int64_t os) {
+    const int64_t record = q8 ? X8_Q8_RECORD : X8_Q4_RECORD;
+    __m512 acc[X8_MC] __attribute__((aligned(64)));
+    for (int64_t m = 0; m < rows; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++, rec += record) {
+        for (int c = 0; c < record; c += 64) _mm_prefetch((const char *)rec + X8_PREFETCH * record + c, _MM_HINT_T0);
+        __m512i w[8];
+        x8_codes16(q8, rec, w);
+        const __m512 s = x8_bf16x16(rec + (q8 ? 512 : 256)), mn = q8 ? _mm512_setzero_ps() : x8_bf16x16(rec + 288);
         const int8_t *xg = xq + 32 * g;
         int64_t m = 0;
         /* 4 rows at a time, two chains each (even and odd blocks): vpdpbusd's latency is hidden */
@@ -376,7 +416,7 @@ static __attribute__((noinline)) void x8_q4_tile_rows_vnni(const uint8_t *rec, i
             __m512i e[4], o[4];
             for (int r = 0; r < 4; r++) {
                 const int8_t *xr = xg + (m + r) * K;
-                e[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x8_bcast4(xr));
+                e[r] = _mm512_dpbusd_epi32(x8_start_vnni(q8, xe, (m + r) * groups + g), w[0], x8_bcast4(xr));
                 o[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], x8_bcast4(xr + 4));
             }
             for (int b = 2; b < 8; b += 2)
@@ -386,75 +426,32 @@ static __attribute__((noinline)) void x8_q4_tile_rows_vnni(const uint8_t *rec, i
                     o[r] = _mm512_dpbusd_epi32(o[r], w[b + 1], x8_bcast4(xr + 4));
                 }
             for (int r = 0; r < 4; r++)
-                x8_epilogue_16(&acc[m + r], _mm512_add_epi32(e[r], o[r]), s, mn, xd[(m + r) * groups + g],
-                               xe[(m + r) * groups + g]);
+                x8_epilogue_vnni(q8, &acc[m + r], _mm512_add_epi32(e[r], o[r]), s, mn, xd, xe, (m + r) * groups + g);
         }
         for (; m < rows; m++) {
             const int8_t *xr = xg + m * K;
-            __m512i e = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x8_bcast4(xr));
+            __m512i e = _mm512_dpbusd_epi32(x8_start_vnni(q8, xe, m * groups + g), w[0], x8_bcast4(xr));
             __m512i o = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], x8_bcast4(xr + 4));
             for (int b = 2; b < 8; b += 2) {
                 e = _mm512_dpbusd_epi32(e, w[b], x8_bcast4(xr + 4 * b));
                 o = _mm512_dpbusd_epi32(o, w[b + 1], x8_bcast4(xr + 4 * b + 4));
             }
-            x8_epilogue_16(&acc[m], _mm512_add_epi32(e, o), s, mn, xd[m * groups + g], xe[m * groups + g]);
+            x8_epilogue_vnni(q8, &acc[m], _mm512_add_epi32(e, o), s, mn, xd, xe, m * groups + g);
         }
     }
     for (int64_t m = 0; m < rows; m++) _mm512_storeu_ps(out + m * os, acc[m]);
 }
 
-/* int8 records for any number of rows, the int4 kernel's loop. A record's block of 4 inputs (64 bytes:
- * input-major, 16 rows each) becomes one register of 16 rows x 4 codes by a dword permutation across the
- * 128-bit lanes and a byte shuffle within them. vpdpbusd multiplies unsigned by signed bytes, so the codes
- * go in offset by 128 (c ^ 0x80 = c + 128, 0..255) and each row's sum is corrected by 128 * sum(q), which
- * x8_gemm leaves in e for int8 records: isum = sum (c + 128) q - 128 sum q, exact in int32. The epilogue is
- * x8_epilogue's without the mins. */
-static __attribute__((noinline)) void x8_q8_tile_rows_vnni(const uint8_t *rec, int64_t groups, const int8_t *xq,
-                                                           int64_t K, const float *xd, const float *xs,
+static __attribute__((noinline)) void x8_q4_tile_rows_vnni(const uint8_t *rec, int64_t groups, const int8_t *xq,
+                                                           int64_t K, const float *xd, const float *xe,
                                                            int64_t rows, float *out, int64_t os) {
-    const __m512i lanes = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    const __m512i bytes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
-    const __m512i offset = _mm512_set1_epi8((char)0x80);
-    __m512 acc[X8_MC] __attribute__((aligned(64)));
-    for (int64_t m = 0; m < rows; m++) acc[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++, rec += X8_Q8_RECORD) {
-        for (int c = 0; c < X8_Q8_RECORD; c += 64) _mm_prefetch((const char *)rec + X8_PREFETCH * X8_Q8_RECORD + c, _MM_HINT_T0);
-        __m512i w[8];
-        for (int b = 0; b < 8; b++) {
-            const __m512i raw = _mm512_xor_si512(_mm512_loadu_si512((const void *)(rec + 64 * b)), offset);
-            w[b] = _mm512_shuffle_epi8(_mm512_permutexvar_epi32(lanes, raw), bytes);
-        }
-        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 512))), 16));
-        const int8_t *xg = xq + 32 * g;
-        int64_t m = 0;
-        for (; m + 4 <= rows; m += 4) {
-            __m512i e[4], o[4];
-            for (int r = 0; r < 4; r++) {
-                const int8_t *xr = xg + (m + r) * K;
-                e[r] = _mm512_dpbusd_epi32(_mm512_set1_epi32(-128 * (int32_t)xs[(m + r) * groups + g]), w[0], x8_bcast4(xr));
-                o[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], x8_bcast4(xr + 4));
-            }
-            for (int b = 2; b < 8; b += 2)
-                for (int r = 0; r < 4; r++) {
-                    const int8_t *xr = xg + (m + r) * K + 4 * b;
-                    e[r] = _mm512_dpbusd_epi32(e[r], w[b], x8_bcast4(xr));
-                    o[r] = _mm512_dpbusd_epi32(o[r], w[b + 1], x8_bcast4(xr + 4));
-                }
-            for (int r = 0; r < 4; r++)
-                x8_epilogue_16q8(&acc[m + r], _mm512_add_epi32(e[r], o[r]), s, xd[(m + r) * groups + g]);
-        }
-        for (; m < rows; m++) {
-            const int8_t *xr = xg + m * K;
-            __m512i e = _mm512_dpbusd_epi32(_mm512_set1_epi32(-128 * (int32_t)xs[m * groups + g]), w[0], x8_bcast4(xr));
-            __m512i o = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], x8_bcast4(xr + 4));
-            for (int b = 2; b < 8; b += 2) {
-                e = _mm512_dpbusd_epi32(e, w[b], x8_bcast4(xr + 4 * b));
-                o = _mm512_dpbusd_epi32(o, w[b + 1], x8_bcast4(xr + 4 * b + 4));
-            }
-            x8_epilogue_16q8(&acc[m], _mm512_add_epi32(e, o), s, xd[m * groups + g]);
-        }
-    }
-    for (int64_t m = 0; m < rows; m++) _mm512_storeu_ps(out + m * os, acc[m]);
+    x8_tile_rows_vnni(0, rec, groups, xq, K, xd, xe, rows, out, os);
+}
+
+static __attribute__((noinline)) void x8_q8_tile_rows_vnni(const uint8_t *rec, int64_t groups, const int8_t *xq,
+                                                           int64_t K, const float *xd, const float *xe,
+                                                           int64_t rows, float *out, int64_t os) {
+    x8_tile_rows_vnni(1, rec, groups, xq, K, xd, xe, rows, out, os);
 }
 #else
 #define X8_VNNI 0
