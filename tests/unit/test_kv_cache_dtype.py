@@ -93,11 +93,17 @@ class _Sequences:
     """Sequences with known K/V at every position, their blocks shuffled over one paged cache of a format."""
 
     def __init__(
-        self, dtype: torch.dtype, kv: str, lengths: list[int], heads: int = 8, kv_heads: int = 2
+        self,
+        dtype: torch.dtype,
+        kv: str,
+        lengths: list[int],
+        heads: int = 8,
+        kv_heads: int = 2,
+        d: int = 64,
     ) -> None:
         gen = torch.Generator().manual_seed(sum(lengths))
         self.fmt = kv_cache_format(kv, dtype)
-        self.dtype, self.heads, self.kv_heads, self.d, self.block_size = dtype, heads, kv_heads, 64, 16
+        self.dtype, self.heads, self.kv_heads, self.d, self.block_size = dtype, heads, kv_heads, d, 16
         blocks = [math.ceil(n / self.block_size) for n in lengths]
         num_blocks = sum(blocks) + 2
         order = torch.randperm(num_blocks, generator=gen).tolist()
@@ -144,14 +150,23 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 2e-2 if dtype == torch.bfloat16 else 1e-5
 
 
-@pytest.mark.parametrize("kv", FORMATS)
+# head sizes: 64 and 128 (the kernels' compile-time copies) and 80 (a partial last chunk; q8_0 needs whole
+# blocks of 32)
+_FORMAT_AND_D = [(kv, 64) for kv in FORMATS] + [
+    (kv, d) for kv in FORMATS for d in (80, 128) if not (kv == "q8_0" and d % 32)
+]
+
+
+@pytest.mark.parametrize(("kv", "d"), _FORMAT_AND_D)
 @pytest.mark.parametrize("dtype", ACTIVATIONS)
 def test_attention_matches_float64_and_writes_the_references_bits(
-    variant: str, dtype: torch.dtype, kv: str
+    variant: str, dtype: torch.dtype, kv: str, d: int
 ) -> None:
     """A 70-token prompt: the cache holds exactly `quantize_kv`'s bytes, the output is the float64
-    reference's over those values, and whole, chunked (33 + 37) and token by token give the same bits."""
-    seqs = _Sequences(dtype, kv, [70])
+    reference's over those values, and whole, chunked (33 + 37) and token by token give the same bits
+    (a float32 chunk's consecutive tokens share their keys' loads and conversions, 8 at a time: 70 and 37
+    end on partial runs)."""
+    seqs = _Sequences(dtype, kv, [70], d=d)
     whole = seqs.run([(0, 0, 70)])[0]
     slots = [seqs.tables[0][p // 16] * 16 + p % 16 for p in range(70)]
     want_k = quantize_kv(seqs.k[0], seqs.fmt.storage)

@@ -574,31 +574,46 @@ static FAST_FP __attribute__((noinline)) void attn_item_f32_avx2(int64_t i, int6
         }
     }
 }
+/* The rows of positions S + p0 .. S + p0 + m - 1 (KV head g) as float32 rows in rows[0 .. m): the cache's own
+ * (float32, kt KV_F32) or their kv_tile conversion into tile [8, D] (the decode's conversion, attn_item_conv_avx2);
+ * rows[m .. 8) point at zeros. The next 8 rows are prefetched into L1. */
+INLINE void rows8_avx2(const float **rows, float *tile, const float *zero, const void *cache, const int32_t *blocks,
+                       int64_t S, int64_t p0, int64_t m, int64_t end, int64_t block_size, int64_t kvh, int64_t g,
+                       int64_t D, int kt, int64_t rb) {
+    const void *raw[8];
+    for (int64_t o = 0; o < m; o++) raw[o] = kv_row(cache, blocks, S + p0 + o, block_size, kvh, g, rb);
+    for (int64_t p = p0 + 8; p < p0 + 16 && p < end; p++) {
+        const char *r = (const char *)kv_row(cache, blocks, S + p, block_size, kvh, g, rb);
+        for (int64_t x = 0; x < rb; x += 64) _mm_prefetch(r + x, _MM_HINT_T0);
+    }
+    if (kt != KV_F32) kv_tile(tile, D, raw, m, D, kt);
+    for (int64_t o = 0; o < 8; o++) rows[o] = o < m ? (const float *)raw[o] : zero;
+}
+
 /* Prefill rows that share their keys on AVX2 (attn_items_f32's contract; rows i0 .. i0+R-1 of lengths L0 + r,
- * first position S): per query attn_item_f32_avx2's arithmetic exactly (attn_scores8 per 8 positions; each
- * value chunk one FMA chain over the positions in order, here held in memory between groups of 8 positions,
- * which keeps its bits), with each group of 8 K or V rows fetched once for the R queries. */
+ * first position S, a cache of kv type kt in rows of rb bytes): per query the decode item's arithmetic exactly
+ * (attn_item_f32_avx2's over a float32 cache, attn_item_conv_avx2's over the others, which is the same over the
+ * converted rows: attn_scores8 per 8 positions; each value chunk one FMA chain over the positions in order, here
+ * held in memory between groups of 8 positions, which keeps its bits), with each group of 8 K or V rows fetched,
+ * and converted, once for the R queries. */
 static FAST_FP __attribute__((noinline)) void attn_items_f32_avx2(int64_t i0, int64_t R, int64_t g, const float *q,
-                                                                  int64_t q_ts, int64_t q_hs, const float *kc,
-                                                                  const float *vc, int64_t block_size, int64_t kvh,
+                                                                  int64_t q_ts, int64_t q_hs, const void *kc,
+                                                                  const void *vc, int64_t block_size, int64_t kvh,
                                                                   const int32_t *blocks, int64_t S, int64_t L0,
                                                                   float *out, int64_t H, const int64_t D,
-                                                                  float scale, float softcap, float *buf) {
+                                                                  float scale, float softcap, float *buf, int kt,
+                                                                  int64_t rb) {
     const int64_t group = H / kvh, NC = D / 8, Lmax = L0 + R - 1;
     float *restrict sc = buf;                    /* query r: [group, L0 + r] at r * group * Lmax */
     float *restrict acc = sc + R * group * Lmax; /* [R, group, D] */
     float *restrict inv = acc + R * group * D;   /* [R, group] */
+    float *restrict tile = inv + R * group + 16; /* kt != KV_F32: 8 converted rows [8, D] */
     const float *rows[8];
     float zero[512] __attribute__((aligned(32)));
     memset(zero, 0, sizeof(float) * (size_t)D);
     for (int64_t p0 = 0; p0 < Lmax; p0 += 8) {
         const int64_t m = Lmax - p0 < 8 ? Lmax - p0 : 8;
-        for (int64_t o = 0; o < 8; o++)
-            rows[o] = o < m ? (const float *)kv_row(kc, blocks, S + p0 + o, block_size, kvh, g, D * 4) : zero;
-        for (int64_t p = p0 + 8; p < p0 + 16 && p < Lmax; p++) {
-            const char *r = (const char *)kv_row(kc, blocks, S + p, block_size, kvh, g, D * 4);
-            for (int64_t x = 0; x < D * 4; x += 64) _mm_prefetch(r + x, _MM_HINT_T0);
-        }
+        rows8_avx2(rows, tile, zero, kc, blocks, S, p0, m, Lmax, block_size, kvh, g, D, kt, rb);
         for (int64_t r = 0; r < R; r++) {
             const int64_t L = L0 + r, mr = L - p0 < m ? L - p0 : m;
             if (mr <= 0) continue;
@@ -613,11 +628,7 @@ static FAST_FP __attribute__((noinline)) void attn_items_f32_avx2(int64_t i0, in
     for (int64_t j = 0; j < R * group * D; j++) acc[j] = 0.0f;
     for (int64_t p0 = 0; p0 < Lmax; p0 += 8) {
         const int64_t m = Lmax - p0 < 8 ? Lmax - p0 : 8;
-        for (int64_t o = 0; o < m; o++) rows[o] = (const float *)kv_row(vc, blocks, S + p0 + o, block_size, kvh, g, D * 4);
-        for (int64_t p = p0 + 8; p < p0 + 16 && p < Lmax; p++) {
-            const char *r = (const char *)kv_row(vc, blocks, S + p, block_size, kvh, g, D * 4);
-            for (int64_t x = 0; x < D * 4; x += 64) _mm_prefetch(r + x, _MM_HINT_T0);
-        }
+        rows8_avx2(rows, tile, zero, vc, blocks, S, p0, m, Lmax, block_size, kvh, g, D, kt, rb);
         for (int64_t r = 0; r < R; r++) {
             const int64_t L = L0 + r, mr = L - p0 < m ? L - p0 : m;
             for (int64_t hh = 0; hh < group; hh++) {
@@ -786,25 +797,28 @@ DEFINE_ATTN_ITEM(bf16, 1)
 
 /* Prefill rows that share their keys: up to ATTN_MQ consecutive rows i0 .. i0+R-1 of one sequence whose
  * lengths are L0, L0 + 1, .., L0 + R - 1 (the tokens of a prefill chunk) with the same first position S (no
- * sliding window cuts them), for KV head g, in float32 (the activations' and the cache's dtype). Each query
- * gets attn_item_vec's float32 arithmetic exactly (attn_scores16, softmax_rows, attn_values16, the same
- * chunks of 16 positions, the same stores), so a token's attention is the same as its decode's; only the
- * loop order changes: each chunk of K and V rows is fetched once for the R queries, not R times (a long
- * prompt's keys stream from memory once per R tokens). The scratch holds R items' worth of buffers. */
+ * sliding window cuts them), for KV head g, float32 activations over a cache of kv type kt (rows of rb bytes).
+ * Each query gets attn_item_vec's float32 arithmetic exactly (attn_scores16, softmax_rows, attn_values16, the
+ * same chunks of 16 positions, the same stores; another kt: the same kv_tile conversion of each 16 rows first,
+ * as its conv path), so a token's attention is the same as its decode's; only the loop order changes: each
+ * chunk of K and V rows is fetched, and converted, once for the R queries, not R times (a long prompt's keys
+ * stream from memory once per R tokens). The scratch holds R items' worth of buffers and one tile. */
 #define ATTN_MQ 8
 
 INLINE FAST_FP void attn_items_f32(int64_t i0, int64_t R, int64_t g, const float *q, int64_t q_ts, int64_t q_hs,
                                    const void *kc, const void *vc, int64_t block_size, int64_t kvh,
                                    const int32_t *blocks, int64_t S, int64_t L0, float *out, int64_t H,
-                                   const int64_t D, float scale, float softcap, float *buf) {
-    const int64_t group = H / kvh, NC = (D + 31) / 32, DP = NC * 32, Lmax = L0 + R - 1, rb = D * 4;
+                                   const int64_t D, float scale, float softcap, float *buf, int kt, int64_t rb) {
+    const int64_t group = H / kvh, NC = (D + 31) / 32, DP = NC * 32, Lmax = L0 + R - 1;
     float *restrict sc = buf;                   /* query r: [group, L0 + r] at r * group * Lmax */
     float *restrict acc = sc + R * group * Lmax; /* [R, group, DP] */
     float *restrict inv = acc + R * group * DP;  /* [R, group] */
+    float *restrict tile = inv + R * group + 16; /* kt != KV_F32: 16 converted rows [16, DP] */
     const void *rows[2][16];
     int64_t m = row_ptrs(rows[0], kc, blocks, S, S + Lmax, block_size, kvh, g, rb);
     for (int64_t p0 = 0, cur = 0; p0 < Lmax; p0 += 16, cur ^= 1) {
         const void **rk = rows[cur];
+        if (kt != KV_F32) kv_tile(tile, DP, rk, m, D, kt);
         const int64_t m_next = row_ptrs(rows[cur ^ 1], kc, blocks, S + p0 + 16, S + Lmax, block_size, kvh, g, rb);
         prefetch_rows_l2(kc, blocks, S + p0 + ATTN_L2_AHEAD, S + Lmax, block_size, kvh, g, rb);
         for (int64_t r = 0; r < R; r++) {
@@ -821,6 +835,7 @@ INLINE FAST_FP void attn_items_f32(int64_t i0, int64_t R, int64_t g, const float
     m = row_ptrs(rows[0], vc, blocks, S, S + Lmax, block_size, kvh, g, rb);
     for (int64_t p0 = 0, cur = 0; p0 < Lmax; p0 += 16, cur ^= 1) {
         const void **rv = rows[cur];
+        if (kt != KV_F32) kv_tile(tile, DP, rv, m, D, kt);
         const int64_t m_next = row_ptrs(rows[cur ^ 1], vc, blocks, S + p0 + 16, S + Lmax, block_size, kvh, g, rb);
         prefetch_rows_l2(vc, blocks, S + p0 + ATTN_L2_AHEAD, S + Lmax, block_size, kvh, g, rb);
         for (int64_t r = 0; r < R; r++) {
@@ -848,20 +863,22 @@ static FAST_FP __attribute__((noinline)) void attn_items_f32_any(int64_t i0, int
                                                                  const void *vc, int64_t block_size, int64_t kvh,
                                                                  const int32_t *blocks, int64_t S, int64_t L0,
                                                                  float *out, int64_t H, int64_t d, float scale,
-                                                                 float softcap, float *buf) {
+                                                                 float softcap, float *buf, int kt, int64_t rb) {
     if (d == 64)
-        attn_items_f32(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L0, out, H, 64, scale, softcap, buf);
+        attn_items_f32(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L0, out, H, 64, scale, softcap, buf,
+                       kt, rb);
     else if (d == 128)
         attn_items_f32(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L0, out, H, 128, scale, softcap,
-                       buf);
+                       buf, kt, rb);
     else
-        attn_items_f32(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L0, out, H, d, scale, softcap, buf);
+        attn_items_f32(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L0, out, H, d, scale, softcap, buf,
+                       kt, rb);
 }
 
-/* izh_paged_attention_f32's prefill rows over a float32 cache: runs of rows that share their keys through
- * attn_items_f32 (attn_items_f32_avx2 where the build's decode item is attn_item_f32_avx2), a row alone
- * through the decode item itself. Returns 0, or -4 when out of memory. */
-static int attn_prefill_f32(const float *q, int64_t q_ts, int64_t q_hs, const void *kc, const void *vc,
+/* izh_paged_attention_f32's prefill rows (float32 activations, a cache of any kv type kt): runs of rows that
+ * share their keys through attn_items_f32 (attn_items_f32_avx2 where the build's decode items are the AVX2 ones),
+ * a row alone through the decode item itself. Returns 0, or -4 when out of memory. */
+static int attn_prefill_f32(const float *q, int64_t q_ts, int64_t q_hs, const void *kc, const void *vc, int kt,
                             int64_t block_size, int64_t kvh, const int32_t *block_tables, int64_t max_blocks,
                             const int32_t *row_seq, const int32_t *seq_lens, int64_t window, float softcap,
                             float *out, int64_t n, int64_t H, int64_t d, float scale, int64_t max_len, int nt,
@@ -880,9 +897,9 @@ static int attn_prefill_f32(const float *q, int64_t q_ts, int64_t q_hs, const vo
         nruns++;
         i = j;
     }
-    const int64_t group = H / kvh, DP = (d + 31) / 32 * 32;
-    /* attn_items_f32's buffers for ATTN_MQ queries, or attn_item_f32's for one */
-    const size_t scratch = (size_t)(ATTN_MQ * group * (max_len + ATTN_MQ + DP + 1) + group * (max_len + 2 * d + 64) +
+    const int64_t group = H / kvh, DP = (d + 31) / 32 * 32, rb = kv_row_bytes(kt, d);
+    /* attn_items_f32's buffers for ATTN_MQ queries and a tile of 16 rows, or attn_item_f32's for one */
+    const size_t scratch = (size_t)(ATTN_MQ * group * (max_len + ATTN_MQ + DP + 1) + 16 * DP + group * (max_len + 2 * d + 64) +
                                     group + 32 + 16 * (d + 32) + 64) *
                            sizeof(float);
     const int64_t items = nruns * kvh;
@@ -899,19 +916,19 @@ static int attn_prefill_f32(const float *q, int64_t q_ts, int64_t q_hs, const vo
                 const int64_t S = window_start(seq_lens[i0], window);
                 if (R == 1) { /* a row alone: the decode's item itself */
                     attn_item_f32(i0 * kvh + g, q, q_ts, q_hs, kc, vc, block_size, kvh, block_tables, max_blocks,
-                                  row_seq, seq_lens, window, softcap, out, H, d, scale, buf, KV_F32);
+                                  row_seq, seq_lens, window, softcap, out, H, d, scale, buf, kt);
                     continue;
                 }
                 const int32_t *blocks = block_tables + row_seq[i0] * max_blocks;
 #if ATTN_AVX2
-                if (d % 8 == 0) { /* the AVX2 build's float32 item is attn_item_f32_avx2 for these */
-                    attn_items_f32_avx2(i0, R, g, q, q_ts, q_hs, (const float *)kc, (const float *)vc, block_size, kvh,
-                                        blocks, S, seq_lens[i0] - S, out, H, d, scale, softcap, buf);
+                if (d % 8 == 0) { /* the AVX2 build's float32 items are attn_item_f32_avx2 / _conv_avx2 for these */
+                    attn_items_f32_avx2(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, seq_lens[i0] - S,
+                                        out, H, d, scale, softcap, buf, kt, rb);
                     continue;
                 }
 #endif
                 attn_items_f32_any(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, seq_lens[i0] - S,
-                                   out, H, d, scale, softcap, buf);
+                                   out, H, d, scale, softcap, buf, kt, rb);
             }
         free(buf);
     }
@@ -991,8 +1008,8 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
                               block_tables, max_blocks, row_seq, num_seqs, seq_lens, window, n, d, &max_len, &work, \
                               BF);                                                                           \
         if (rc != 0) return rc;                                                                              \
-        if (!(BF) && row_seq && kv_type == KV_F32 && n > 1)                                                                                        \
-            return attn_prefill_f32((const float *)q, q_ts, q_hs, kc, vc, block_size, kvh, block_tables,        \
+        if (!(BF) && row_seq && n > 1)                                                                       \
+            return attn_prefill_f32((const float *)q, q_ts, q_hs, kc, vc, kv_type, block_size, kvh, block_tables, \
                                     max_blocks, row_seq, seq_lens, window, softcap, (float *)out, n, H, d, scale, \
                                     max_len, nt, work);                                                      \
         const int64_t group = H / kvh;                                                                       \
