@@ -18,6 +18,7 @@ read by one thread). ctypes releases the GIL during a call.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ __all__ = [
     "STACK_LORA_LINEAR",
     "add_rms_norm_",
     "argmax_rows",
+    "bf16_cache_on_tiles",
     "decode_stack",
     "lora_add_",
     "paged_attention",
@@ -215,6 +217,20 @@ def paged_decode_attention(
     return _paged_attention(
         query, key, value, kv_cache, slot_mapping, block_tables, None, seq_lens, scale, window, softcap
     )
+
+
+def bf16_cache_on_tiles(head_dim: int, group: int) -> bool:
+    """Whether attention over a bfloat16 cache under float32 activations runs on the AMX tiles here (the amx
+    variant, a CPU whose tiles Linux lets this process use; head_dim a multiple of 32, at most 16 query heads
+    per KV head): both products in AMX-BF16, so q and the softmax weights are rounded to bfloat16 first (as
+    llama.cpp rounds q to its cache's type) and bfloat16 subnormals in the cache read as zero. Each token's
+    result is still the same in any batch, chunking, or as a decode."""
+    lib = STATE.active or resolve()
+    if lib.handle is None:
+        return False
+    fn = lib.handle.izh_attention_bf16_on_tiles
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int64, ctypes.c_int64]
+    return bool(fn(head_dim, group))
 
 
 def paged_attention(

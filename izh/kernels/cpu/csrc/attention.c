@@ -50,12 +50,20 @@ static __attribute__((noinline)) void softmax_rows(float *restrict sc, float *re
         for (int k = 0; p + k < L; k++) top[k] = sh[p + k] > top[k] ? sh[p + k] : top[k];
         float m = -INFINITY;
         for (int k = 0; k < 16; k++) m = top[k] > m ? top[k] : m;
-        for (p = 0; p < L; p++) sh[p] = exp_f32(sh[p] - m);
+        /* exp and the sum in one pass (the same operations as an exp pass and then a sum pass) */
         float lanes[16] = {0};
         p = 0;
         for (; p + 16 <= L; p += 16)
-            for (int k = 0; k < 16; k++) lanes[k] += sh[p + k];
-        for (int k = 0; p + k < L; k++) lanes[k] += sh[p + k];
+            for (int k = 0; k < 16; k++) {
+                const float e = exp_f32(sh[p + k] - m);
+                sh[p + k] = e;
+                lanes[k] += e;
+            }
+        for (int k = 0; p + k < L; k++) {
+            const float e = exp_f32(sh[p + k] - m);
+            sh[p + k] = e;
+            lanes[k] += e;
+        }
         for (int w = 8; w >= 1; w /= 2)
             for (int k = 0; k < w; k++) lanes[k] += lanes[k + w];
         inv[hh] = 1.0f / lanes[0];
@@ -747,6 +755,205 @@ static FAST_FP __attribute__((noinline)) void attn_item_conv_avx2(int64_t i, int
 /* The first position a row of length L sees: L - window under a sliding window shorter than L, else 0. */
 INLINE int64_t window_start(int64_t L, int64_t window) { return window > 0 && L > window ? L - window : 0; }
 
+/* Which rows the AMX tiles take (attn_items_amx): D a multiple of 32 (whole K steps), the group within a tile's
+ * 16 rows. */
+INLINE int attn_amx_fits(int64_t D, int64_t group) { return D % 32 == 0 && D <= 32 * MAX_NC && group <= 16; }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__linux__)
+#define ATTN_AMX 1
+/* AMX-BF16 tiles for a bfloat16 cache under float32 activations (the amx build): both products of attention in
+ * TDPBF16PS, q and the softmax weights rounded to bfloat16 (round to nearest even), fp32 accumulation.
+ * llama.cpp's CPU attention likewise rounds q to the cache's type; the cache's own values are used as they are,
+ * except that the tiles read bfloat16 subnormals (below ~1.2e-38) as zero.
+ *
+ * One item: up to 16 rows (R queries of one sequence x the group's query heads sharing KV head g; R = 1 for a
+ * decode), which is what keeps a token's attention the same in any batch: every output element comes out of
+ * the same sequence of tile products (the same positions per tile, the same K-dimension order) whatever the
+ * other rows of its tile are or how many there are, and the softmax in between is softmax_rows, the float32
+ * one. Per 16 positions: the K rows (staged, 16 x D) are the A tile, q^T in pairs the B tile, and the 16 x 16
+ * scores are transposed into each row's buffer (x scale). Per 32 positions: the weights (16 rows x 32, bf16)
+ * are the A tile, the V rows interleaved in pairs of positions (the B tile's VNNI layout) the B tile, into up to
+ * 4 accumulator tiles of 16 outputs (D > 64: one pass per 64 outputs). Positions past a row's length weigh 0;
+ * past the item's longest row the staged rows are zeros. */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} attn_tilecfg;
+
+
+/* Lanes of a 16 x 16 float matrix (rows r[0..15]) transposed in place. */
+INLINE void tr16x16_ps(__m512 *r) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int a = 0; a < 4; a++) { /* rows 4a .. 4a + 3: r[4a + e], 128-bit lane L, is element 4L + e of them */
+        const __m512d t0 = _mm512_castps_pd(t[4 * a]), t1 = _mm512_castps_pd(t[4 * a + 1]);
+        const __m512d t2 = _mm512_castps_pd(t[4 * a + 2]), t3 = _mm512_castps_pd(t[4 * a + 3]);
+        r[4 * a] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+        r[4 * a + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+        r[4 * a + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+        r[4 * a + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m512 u0 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88), u1 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xdd);
+        const __m512 u2 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x88);
+        const __m512 u3 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xdd);
+        t[e] = _mm512_shuffle_f32x4(u0, u2, 0x88);      /* element e */
+        t[4 + e] = _mm512_shuffle_f32x4(u1, u3, 0x88);  /* 4 + e */
+        t[8 + e] = _mm512_shuffle_f32x4(u0, u2, 0xdd);  /* 8 + e */
+        t[12 + e] = _mm512_shuffle_f32x4(u1, u3, 0xdd); /* 12 + e */
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+#define ATTN_AMX_ROWS 64 /* rows an item: 4 tiles of 16 */
+
+/* Rows i0 .. i0+R-1 (lengths L0 + r, first position S; R * group <= ATTN_AMX_ROWS) for KV head g over a bfloat16
+ * cache. Rows go through the tiles 16 at a time ("row groups"); each K or V row is staged once for all of them. */
+static __attribute__((noinline)) void attn_items_amx(int64_t i0, int64_t R, int64_t g, const float *q, int64_t q_ts,
+                                                     int64_t q_hs, const void *kc, const void *vc, int64_t block_size,
+                                                     int64_t kvh, const int32_t *blocks, int64_t S, int64_t L0,
+                                                     float *out, int64_t H, const int64_t D, float scale,
+                                                     float softcap, float *buf) {
+    const int64_t group = H / kvh, N = R * group, nrg = (N + 15) / 16, Lmax = L0 + R - 1;
+    const int64_t Lp = (Lmax + 31) / 32 * 32, ks = D / 32, dt = D / 16, rb = D * 2;
+    float *restrict sc = buf;                              /* query r: [group, L0 + r] at r * group * Lmax */
+    float *restrict inv = sc + R * group * Lmax;           /* [N] */
+    float *restrict ct = inv + ATTN_AMX_ROWS + 16;         /* 16 x 16, 64-byte aligned below */
+    ct = (float *)(((uintptr_t)ct + 63) & ~(uintptr_t)63);
+    float *restrict cacc = ct + 256;                       /* the values' accumulators [nrg][dt][16 x 16] */
+    uint16_t *restrict qt = (uint16_t *)(cacc + nrg * dt * 256); /* [nrg][ks][16 pairs][16 rows][2] */
+    uint16_t *restrict st = qt + nrg * ks * 512;           /* 16 staged K rows [16][D], or 16 V pairs [16][D][2] */
+    uint16_t *restrict pb = st + 32 * D;                   /* weights [nrg * 16][Lp] */
+    if (Lmax <= 0) {
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t j = 0; j < D; j++) out[((i0 + n / group) * H + g * group + n % group) * D + j] = 0.0f;
+        return;
+    }
+    attn_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    /* q^T in pairs: row n = 16 rg + i of row group rg at qt[rg][s][j][i] = (q_n[32 s + 2 j], q_n[32 s + 2 j + 1]);
+     * rows past N are zero */
+    memset(qt, 0, sizeof(uint16_t) * (size_t)(nrg * ks * 512));
+    for (int64_t n = 0; n < N; n++) {
+        const float *qn = q + (i0 + n / group) * q_ts + (g * group + n % group) * q_hs;
+        uint16_t *qg = qt + (n / 16) * ks * 512 + (n % 16) * 2;
+        for (int64_t e = 0; e < D; e++) qg[(e / 32) * 512 + ((e % 32) / 2) * 32 + e % 2] = f2bf(qn[e]);
+    }
+    /* scores, 16 positions a tile */
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int64_t p0 = 0; p0 < Lmax; p0 += 16) {
+        const int64_t m = Lmax - p0 < 16 ? Lmax - p0 : 16;
+        const void *rows[16];
+        row_ptrs(rows, kc, blocks, S + p0, S + Lmax, block_size, kvh, g, rb);
+        prefetch_rows_l2(kc, blocks, S + p0 + ATTN_L2_AHEAD, S + Lmax, block_size, kvh, g, rb);
+        for (int64_t o = 0; o < m; o++)
+            for (int64_t c = 0; c < ks; c++)
+                _mm512_store_si512(st + o * D + 32 * c, _mm512_loadu_si512((const uint16_t *)rows[o] + 32 * c));
+        if (m < 16) memset(st + m * D, 0, (size_t)((16 - m) * rb));
+        for (int64_t rg = 0; rg < nrg; rg++) {
+            _tile_zero(0);
+            for (int64_t s = 0; s < ks; s++) {
+                _tile_loadd(4, st + 32 * s, rb);
+                _tile_loadd(5, qt + (rg * ks + s) * 512, 64);
+                _tile_dpbf16ps(0, 4, 5);
+            }
+            _tile_stored(0, ct, 64); /* ct[o][i]: row 16 rg + i's score at position p0 + o */
+            __m512 r16[16];
+            for (int o = 0; o < 16; o++) r16[o] = _mm512_load_ps(ct + 16 * o);
+            tr16x16_ps(r16); /* r16[i]: row 16 rg + i's 16 scores */
+            for (int64_t i = 0; i < 16 && 16 * rg + i < N; i++) {
+                const int64_t n = 16 * rg + i, r = n / group, L = L0 + r, mr = L - p0 < m ? L - p0 : m;
+                if (mr <= 0) continue;
+                _mm512_mask_storeu_ps(sc + r * group * Lmax + (n % group) * L + p0, (__mmask16)((1u << mr) - 1u),
+                                      _mm512_mul_ps(r16[i], vs));
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) softmax_rows(sc + r * group * Lmax, inv + r * group, group, L0 + r, softcap);
+    /* the weights in bfloat16, zero past each row's length and in rows past N */
+    for (int64_t n = 0; n < nrg * 16; n++) {
+        const int64_t L = n < N ? L0 + n / group : 0;
+        const float *w = n < N ? sc + (n / group) * group * Lmax + (n % group) * L : sc;
+        for (int64_t p = 0; p < Lp; p += 32) {
+            const int64_t a = L - p < 0 ? 0 : L - p > 16 ? 16 : L - p;
+            const int64_t b = L - p - 16 < 0 ? 0 : L - p - 16 > 16 ? 16 : L - p - 16;
+            const __m512 lo = _mm512_maskz_loadu_ps((__mmask16)((1u << a) - 1u), w + p);
+            const __m512 hi = _mm512_maskz_loadu_ps((__mmask16)((1u << b) - 1u), w + p + 16);
+            _mm512_storeu_si512(pb + n * Lp + p, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+    /* values, 32 positions a tile: the V rows interleaved in pairs once, then every row group's accumulators
+     * (in memory between tiles) take them */
+    memset(cacc, 0, sizeof(float) * (size_t)(nrg * dt * 256));
+    const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+    for (int64_t p0 = 0; p0 < Lmax; p0 += 32) {
+        const void *rows[32];
+        const int64_t m = row_ptrs(rows, vc, blocks, S + p0, S + Lmax, block_size, kvh, g, rb);
+        if (m == 16) row_ptrs(rows + 16, vc, blocks, S + p0 + 16, S + Lmax, block_size, kvh, g, rb);
+        prefetch_rows_l2(vc, blocks, S + p0 + ATTN_L2_AHEAD, S + Lmax, block_size, kvh, g, rb);
+        prefetch_rows_l2(vc, blocks, S + p0 + ATTN_L2_AHEAD + 16, S + Lmax, block_size, kvh, g, rb);
+        for (int64_t k = 0; k < 16; k++) { /* positions p0 + 2k, p0 + 2k + 1: st[k][2 d + e] */
+            const int64_t pa = p0 + 2 * k;
+            for (int64_t c = 0; c < ks; c++) {
+                const __m512i a = pa < Lmax ? _mm512_loadu_si512((const uint16_t *)rows[2 * k] + 32 * c)
+                                            : _mm512_setzero_si512();
+                const __m512i b = pa + 1 < Lmax ? _mm512_loadu_si512((const uint16_t *)rows[2 * k + 1] + 32 * c)
+                                                : _mm512_setzero_si512();
+                _mm512_store_si512(st + k * 2 * D + 64 * c, _mm512_permutex2var_epi16(a, ilo, b));
+                _mm512_store_si512(st + k * 2 * D + 64 * c + 32, _mm512_permutex2var_epi16(a, ihi, b));
+            }
+        }
+        for (int64_t rg = 0; rg < nrg; rg++) {
+            _tile_loadd(4, pb + rg * 16 * Lp + p0, Lp * 2);
+            for (int64_t t = 0; t < dt; t++) {
+                float *c = cacc + (rg * dt + t) * 256;
+                _tile_loadd(0, c, 64);
+                _tile_loadd(5, st + 32 * t, D * 4);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_stored(0, c, 64);
+            }
+        }
+    }
+    for (int64_t n = 0; n < N; n++) {
+        const __m512 vi = _mm512_set1_ps(inv[n]);
+        float *on = out + ((i0 + n / group) * H + g * group + n % group) * D;
+        for (int64_t t = 0; t < dt; t++)
+            _mm512_storeu_ps(on + 16 * t, _mm512_mul_ps(_mm512_load_ps(cacc + ((n / 16) * dt + t) * 256 + 16 * (n % 16)), vi));
+    }
+    _tile_release();
+}
+/* scratch floats attn_items_amx needs beyond its scores: 1/sums, the score tile, the accumulators, q^T, the
+ * staging rows and the weights */
+#define ATTN_AMX_SCRATCH(D, Lmax)                                                                           \
+    (ATTN_AMX_ROWS + 16 + 16 + 256 + 4 * ((D) / 16) * 256 + 4 * ((D) / 32) * 256 + 16 * (D) + 32 * ((Lmax) + 32) + 64)
+#define ATTN_AMX_ITEM                                                                                        \
+    attn_items_amx(i, 1, g, (const float *)q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, (float *)out, H, d, \
+                   scale, softcap, buf);
+#else
+#define ATTN_AMX 0
+#define ATTN_AMX_ROWS 64
+#define ATTN_AMX_SCRATCH(D, Lmax) 0
+#define ATTN_AMX_ITEM (void)0;
+#endif
+
+/* 1 when a bfloat16 cache under float32 activations runs on the AMX tiles (attn_items_amx) for head size D and
+ * `group` query heads per KV head: the amx build, on a CPU whose tiles Linux lets this process use. */
+INLINE int attn_bf16_tiles(int64_t D, int64_t group) { return ATTN_AMX && attn_amx_fits(D, group) && izh_amx_permitted(); }
+
+int izh_attention_bf16_on_tiles(int64_t d, int64_t group) { return attn_bf16_tiles(d, group); }
+
 /* Per dtype, one non-inlined item function (keeps the compile time down): head sizes 64 and 128 get
  * compile-time copies, the rest (up to 32 * MAX_NC) the runtime-D one. A cache of another kv type than the
  * activations' (kt) goes through the converting copies (attn_item_conv_*). */
@@ -775,7 +982,9 @@ INLINE int64_t window_start(int64_t L, int64_t window) { return window > 0 && L 
         const int64_t i = it / kvh, g = it % kvh, S = window_start(seq_lens[i], window), L = seq_lens[i] - S; \
         const int32_t *blocks = bt + (row_seq ? row_seq[i] : i) * max_blocks;                               \
         const int64_t rb = (BF) ? d * 2 : d * 4;                                                             \
-        if (kt != ((BF) ? KV_BF16 : KV_F32))                                                                 \
+        if (!(BF) && kt == KV_BF16 && attn_bf16_tiles(d, H / kvh))                                          \
+            ATTN_AMX_ITEM                                                                                    \
+        else if (kt != ((BF) ? KV_BF16 : KV_F32))                                                            \
             attn_item_conv_##SFX(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, out, H, d, scale,  \
                                  softcap, buf, kt, kv_row_bytes(kt, d));                                     \
         else if (ATTN_AVX2 && !(BF) && d % 8 == 0)                                                           \
@@ -885,11 +1094,15 @@ static int attn_prefill_f32(const float *q, int64_t q_ts, int64_t q_hs, const vo
                             int64_t work) {
     int64_t *runs = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)n);
     if (!runs) return -4;
+    const int64_t group = H / kvh, DP = (d + 31) / 32 * 32, rb = kv_row_bytes(kt, d);
+    const int tiles = kt == KV_BF16 && attn_bf16_tiles(d, group);
+    (void)tiles; /* no tiles in builds without AMX */
+    const int64_t mq = tiles && ATTN_AMX_ROWS / group < ATTN_MQ ? ATTN_AMX_ROWS / group : ATTN_MQ;
     int64_t nruns = 0;
     for (int64_t i = 0; i < n;) {
         const int64_t S = window_start(seq_lens[i], window);
         int64_t j = i + 1;
-        while (seq_lens[i] - S > 0 && j < n && j - i < ATTN_MQ && row_seq[j] == row_seq[i] &&
+        while (seq_lens[i] - S > 0 && j < n && j - i < mq && row_seq[j] == row_seq[i] &&
                seq_lens[j] == seq_lens[j - 1] + 1 && window_start(seq_lens[j], window) == S)
             j++;
         runs[2 * nruns] = i;
@@ -897,10 +1110,10 @@ static int attn_prefill_f32(const float *q, int64_t q_ts, int64_t q_hs, const vo
         nruns++;
         i = j;
     }
-    const int64_t group = H / kvh, DP = (d + 31) / 32 * 32, rb = kv_row_bytes(kt, d);
-    /* attn_items_f32's buffers for ATTN_MQ queries and a tile of 16 rows, or attn_item_f32's for one */
+    /* attn_items_f32's buffers for ATTN_MQ queries and a tile of 16 rows (attn_items_amx's), or attn_item_f32's
+     * for one */
     const size_t scratch = (size_t)(ATTN_MQ * group * (max_len + ATTN_MQ + DP + 1) + 16 * DP + group * (max_len + 2 * d + 64) +
-                                    group + 32 + 16 * (d + 32) + 64) *
+                                    group + 32 + 16 * (d + 32) + 64 + ATTN_AMX_SCRATCH(d, max_len + ATTN_MQ)) *
                            sizeof(float);
     const int64_t items = nruns * kvh;
     int failed = 0;
@@ -920,6 +1133,13 @@ static int attn_prefill_f32(const float *q, int64_t q_ts, int64_t q_hs, const vo
                     continue;
                 }
                 const int32_t *blocks = block_tables + row_seq[i0] * max_blocks;
+#if ATTN_AMX
+                if (tiles) {
+                    attn_items_amx(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, seq_lens[i0] - S, out, H,
+                                   d, scale, softcap, buf);
+                    continue;
+                }
+#endif
 #if ATTN_AVX2
                 if (d % 8 == 0) { /* the AVX2 build's float32 items are attn_item_f32_avx2 / _conv_avx2 for these */
                     attn_items_f32_avx2(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, seq_lens[i0] - S,
@@ -1013,7 +1233,9 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
                                     max_blocks, row_seq, seq_lens, window, softcap, (float *)out, n, H, d, scale, \
                                     max_len, nt, work);                                                      \
         const int64_t group = H / kvh;                                                                       \
-        const size_t scratch = (size_t)(group * (max_len + 2 * d + 64) + group + 32 + 16 * (d + 32)) * sizeof(float); \
+        const size_t scratch =                                                                               \
+            (size_t)(group * (max_len + 2 * d + 64) + group + 32 + 16 * (d + 32) + ATTN_AMX_SCRATCH(d, max_len)) * \
+            sizeof(float);                                                                                   \
         const int64_t items = n * kvh;                                                                       \
         int failed = 0;                                                                                      \
         if (nt <= 1 || work * H * d < PAR_MIN_ATTN || items <= 1) {                                          \
