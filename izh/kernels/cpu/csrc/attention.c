@@ -811,23 +811,54 @@ INLINE void tr16x16_ps(__m512 *r) {
 
 #define ATTN_AMX_ROWS 64 /* rows an item: 4 tiles of 16 */
 
+/* e^x in 16 lanes, exp_f32's recipe (its clamps, Cody-Waite reduction and polynomial, with fused multiply-adds,
+ * the power of two in two halves): the tiles' softmax, a function of x alone. */
+INLINE __m512 exp16_ps(__m512 x) {
+    const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.8f));
+    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f)),
+                                   _mm512_set1_ps(12582912.0f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i ni = _mm512_cvtps_epi32(n), n1 = _mm512_srai_epi32(ni, 1), n2 = _mm512_sub_epi32(ni, n1);
+    const __m512i b127 = _mm512_set1_epi32(127);
+    y = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, b127), 23))),
+                      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, b127), 23)));
+    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283935546875f), _CMP_GT_OQ), y,
+                             _mm512_set1_ps(INFINITY));
+    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-103.972084f), _CMP_LT_OQ), y, _mm512_setzero_ps());
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
+}
+
 /* Rows i0 .. i0+R-1 (lengths L0 + r, first position S; R * group <= ATTN_AMX_ROWS) for KV head g over a bfloat16
- * cache. Rows go through the tiles 16 at a time ("row groups"); each K or V row is staged once for all of them. */
+ * cache. Rows go through the tiles 16 at a time ("row groups"); each K or V row is staged once for all of them.
+ * One pass over the positions, 32 at a time, with the softmax online (each row's running maximum m, its sum of
+ * weights in 16 lanes l and its accumulators C, rescaled by e^(m_old - m_new) when the maximum grows): the
+ * scores of a block stay in L1, where a whole row of scores was written, read three times and converted. Every
+ * step is a function of the row's own scores, in the same blocks from its first position, so a decode (one
+ * query) and a prompt token (beside others) run the same operations. */
 static __attribute__((noinline)) void attn_items_amx(int64_t i0, int64_t R, int64_t g, const float *q, int64_t q_ts,
                                                      int64_t q_hs, const void *kc, const void *vc, int64_t block_size,
                                                      int64_t kvh, const int32_t *blocks, int64_t S, int64_t L0,
                                                      float *out, int64_t H, const int64_t D, float scale,
                                                      float softcap, float *buf) {
     const int64_t group = H / kvh, N = R * group, nrg = (N + 15) / 16, Lmax = L0 + R - 1;
-    const int64_t Lp = (Lmax + 31) / 32 * 32, ks = D / 32, dt = D / 16, rb = D * 2;
-    float *restrict sc = buf;                              /* query r: [group, L0 + r] at r * group * Lmax */
-    float *restrict inv = sc + R * group * Lmax;           /* [N] */
-    float *restrict ct = inv + ATTN_AMX_ROWS + 16;         /* 16 x 16, 64-byte aligned below */
-    ct = (float *)(((uintptr_t)ct + 63) & ~(uintptr_t)63);
-    float *restrict cacc = ct + 256;                       /* the values' accumulators [nrg][dt][16 x 16] */
+    const int64_t ks = D / 32, dt = D / 16, rb = D * 2;
+    float *restrict ct = (float *)(((uintptr_t)buf + 63) & ~(uintptr_t)63); /* 16 x 16 */
+    float *restrict sb = ct + 256;                          /* a block's scores [nrg * 16][32] */
+    float *restrict mx = sb + ATTN_AMX_ROWS * 32;           /* running maxima [N] */
+    float *restrict ls = mx + ATTN_AMX_ROWS;                /* running sums [N][16 lanes] */
+    float *restrict cacc = ls + ATTN_AMX_ROWS * 16;         /* accumulators [nrg][dt][16 x 16] */
     uint16_t *restrict qt = (uint16_t *)(cacc + nrg * dt * 256); /* [nrg][ks][16 pairs][16 rows][2] */
-    uint16_t *restrict st = qt + nrg * ks * 512;           /* 16 staged K rows [16][D], or 16 V pairs [16][D][2] */
-    uint16_t *restrict pb = st + 32 * D;                   /* weights [nrg * 16][Lp] */
+    uint16_t *restrict kst = qt + nrg * ks * 512;           /* 32 staged K rows [32][D] */
+    uint16_t *restrict vst = kst + 32 * D;                  /* 16 V pairs [16][D][2] */
+    uint16_t *restrict pb = vst + 32 * D;                   /* a block's weights [nrg * 16][32] */
     if (Lmax <= 0) {
         for (int64_t n = 0; n < N; n++)
             for (int64_t j = 0; j < D; j++) out[((i0 + n / group) * H + g * group + n % group) * D + j] = 0.0f;
@@ -842,102 +873,125 @@ static __attribute__((noinline)) void attn_items_amx(int64_t i0, int64_t R, int6
     }
     _tile_loadconfig(&cfg);
     /* q^T in pairs: row n = 16 rg + i of row group rg at qt[rg][s][j][i] = (q_n[32 s + 2 j], q_n[32 s + 2 j + 1]);
-     * rows past N are zero */
+     * rows past N are zero, as are their weights */
     memset(qt, 0, sizeof(uint16_t) * (size_t)(nrg * ks * 512));
+    memset(pb, 0, sizeof(uint16_t) * (size_t)(nrg * 16 * 32));
+    memset(cacc, 0, sizeof(float) * (size_t)(nrg * dt * 256));
+    memset(ls, 0, sizeof(float) * (size_t)(N * 16));
     for (int64_t n = 0; n < N; n++) {
         const float *qn = q + (i0 + n / group) * q_ts + (g * group + n % group) * q_hs;
         uint16_t *qg = qt + (n / 16) * ks * 512 + (n % 16) * 2;
         for (int64_t e = 0; e < D; e++) qg[(e / 32) * 512 + ((e % 32) / 2) * 32 + e % 2] = f2bf(qn[e]);
+        mx[n] = -INFINITY;
     }
-    /* scores, 16 positions a tile */
-    const __m512 vs = _mm512_set1_ps(scale);
-    for (int64_t p0 = 0; p0 < Lmax; p0 += 16) {
-        const int64_t m = Lmax - p0 < 16 ? Lmax - p0 : 16;
-        const void *rows[16];
-        row_ptrs(rows, kc, blocks, S + p0, S + Lmax, block_size, kvh, g, rb);
-        prefetch_rows_l2(kc, blocks, S + p0 + ATTN_L2_AHEAD, S + Lmax, block_size, kvh, g, rb);
-        for (int64_t o = 0; o < m; o++)
-            for (int64_t c = 0; c < ks; c++)
-                _mm512_store_si512(st + o * D + 32 * c, _mm512_loadu_si512((const uint16_t *)rows[o] + 32 * c));
-        if (m < 16) memset(st + m * D, 0, (size_t)((16 - m) * rb));
-        for (int64_t rg = 0; rg < nrg; rg++) {
-            _tile_zero(0);
-            for (int64_t s = 0; s < ks; s++) {
-                _tile_loadd(4, st + 32 * s, rb);
-                _tile_loadd(5, qt + (rg * ks + s) * 512, 64);
-                _tile_dpbf16ps(0, 4, 5);
-            }
-            _tile_stored(0, ct, 64); /* ct[o][i]: row 16 rg + i's score at position p0 + o */
-            __m512 r16[16];
-            for (int o = 0; o < 16; o++) r16[o] = _mm512_load_ps(ct + 16 * o);
-            tr16x16_ps(r16); /* r16[i]: row 16 rg + i's 16 scores */
-            for (int64_t i = 0; i < 16 && 16 * rg + i < N; i++) {
-                const int64_t n = 16 * rg + i, r = n / group, L = L0 + r, mr = L - p0 < m ? L - p0 : m;
-                if (mr <= 0) continue;
-                _mm512_mask_storeu_ps(sc + r * group * Lmax + (n % group) * L + p0, (__mmask16)((1u << mr) - 1u),
-                                      _mm512_mul_ps(r16[i], vs));
-            }
-        }
-    }
-    for (int64_t r = 0; r < R; r++) softmax_rows(sc + r * group * Lmax, inv + r * group, group, L0 + r, softcap);
-    /* the weights in bfloat16, zero past each row's length and in rows past N */
-    for (int64_t n = 0; n < nrg * 16; n++) {
-        const int64_t L = n < N ? L0 + n / group : 0;
-        const float *w = n < N ? sc + (n / group) * group * Lmax + (n % group) * L : sc;
-        for (int64_t p = 0; p < Lp; p += 32) {
-            const int64_t a = L - p < 0 ? 0 : L - p > 16 ? 16 : L - p;
-            const int64_t b = L - p - 16 < 0 ? 0 : L - p - 16 > 16 ? 16 : L - p - 16;
-            const __m512 lo = _mm512_maskz_loadu_ps((__mmask16)((1u << a) - 1u), w + p);
-            const __m512 hi = _mm512_maskz_loadu_ps((__mmask16)((1u << b) - 1u), w + p + 16);
-            _mm512_storeu_si512(pb + n * Lp + p, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
-    }
-    /* values, 32 positions a tile: the V rows interleaved in pairs once, then every row group's accumulators
-     * (in memory between tiles) take them */
-    memset(cacc, 0, sizeof(float) * (size_t)(nrg * dt * 256));
+    const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
     for (int64_t p0 = 0; p0 < Lmax; p0 += 32) {
-        const void *rows[32];
-        const int64_t m = row_ptrs(rows, vc, blocks, S + p0, S + Lmax, block_size, kvh, g, rb);
-        if (m == 16) row_ptrs(rows + 16, vc, blocks, S + p0 + 16, S + Lmax, block_size, kvh, g, rb);
-        prefetch_rows_l2(vc, blocks, S + p0 + ATTN_L2_AHEAD, S + Lmax, block_size, kvh, g, rb);
-        prefetch_rows_l2(vc, blocks, S + p0 + ATTN_L2_AHEAD + 16, S + Lmax, block_size, kvh, g, rb);
-        for (int64_t k = 0; k < 16; k++) { /* positions p0 + 2k, p0 + 2k + 1: st[k][2 d + e] */
-            const int64_t pa = p0 + 2 * k;
-            for (int64_t c = 0; c < ks; c++) {
-                const __m512i a = pa < Lmax ? _mm512_loadu_si512((const uint16_t *)rows[2 * k] + 32 * c)
-                                            : _mm512_setzero_si512();
-                const __m512i b = pa + 1 < Lmax ? _mm512_loadu_si512((const uint16_t *)rows[2 * k + 1] + 32 * c)
-                                                : _mm512_setzero_si512();
-                _mm512_store_si512(st + k * 2 * D + 64 * c, _mm512_permutex2var_epi16(a, ilo, b));
-                _mm512_store_si512(st + k * 2 * D + 64 * c + 32, _mm512_permutex2var_epi16(a, ihi, b));
-            }
+        const int64_t m = Lmax - p0 < 32 ? Lmax - p0 : 32;
+        const void *kr[32], *vr[32];
+        row_ptrs(kr, kc, blocks, S + p0, S + Lmax, block_size, kvh, g, rb);
+        row_ptrs(kr + 16, kc, blocks, S + p0 + 16, S + Lmax, block_size, kvh, g, rb);
+        row_ptrs(vr, vc, blocks, S + p0, S + Lmax, block_size, kvh, g, rb);
+        row_ptrs(vr + 16, vc, blocks, S + p0 + 16, S + Lmax, block_size, kvh, g, rb);
+        for (int64_t a = 0; a < 32; a += 16) {
+            prefetch_rows_l2(kc, blocks, S + p0 + ATTN_L2_AHEAD + a, S + Lmax, block_size, kvh, g, rb);
+            prefetch_rows_l2(vc, blocks, S + p0 + ATTN_L2_AHEAD + a, S + Lmax, block_size, kvh, g, rb);
         }
+        /* K rows staged (zero past Lmax); V rows interleaved in pairs of positions: vst[k][2 d + e] */
+        for (int64_t o = 0; o < 32; o++)
+            for (int64_t c = 0; c < ks; c++)
+                _mm512_store_si512(kst + o * D + 32 * c,
+                                   o < m ? _mm512_loadu_si512((const uint16_t *)kr[o] + 32 * c) : _mm512_setzero_si512());
+        for (int64_t k = 0; k < 16; k++)
+            for (int64_t c = 0; c < ks; c++) {
+                const __m512i a = 2 * k < m ? _mm512_loadu_si512((const uint16_t *)vr[2 * k] + 32 * c)
+                                            : _mm512_setzero_si512();
+                const __m512i b = 2 * k + 1 < m ? _mm512_loadu_si512((const uint16_t *)vr[2 * k + 1] + 32 * c)
+                                                : _mm512_setzero_si512();
+                _mm512_store_si512(vst + k * 2 * D + 64 * c, _mm512_permutex2var_epi16(a, ilo, b));
+                _mm512_store_si512(vst + k * 2 * D + 64 * c + 32, _mm512_permutex2var_epi16(a, ihi, b));
+            }
+        /* scores: sb[n][h * 16 + o] = row n's score at position p0 + 16 h + o */
+        for (int64_t rg = 0; rg < nrg; rg++)
+            for (int64_t h = 0; h < 2; h++) {
+                _tile_zero(0);
+                for (int64_t s = 0; s < ks; s++) {
+                    _tile_loadd(4, kst + 16 * h * D + 32 * s, rb);
+                    _tile_loadd(5, qt + (rg * ks + s) * 512, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                }
+                _tile_stored(0, ct, 64);
+                __m512 r16[16];
+                for (int o = 0; o < 16; o++) r16[o] = _mm512_load_ps(ct + 16 * o);
+                tr16x16_ps(r16);
+                for (int i = 0; i < 16; i++) _mm512_store_ps(sb + (16 * rg + i) * 32 + 16 * h, _mm512_mul_ps(r16[i], vs));
+            }
+        /* the online softmax, and the weights in bfloat16 */
+        for (int64_t n = 0; n < N; n++) {
+            const int64_t L = L0 + n / group, valid = L - p0 < 0 ? 0 : L - p0 > 32 ? 32 : L - p0;
+            uint16_t *pn = pb + n * 32;
+            if (valid == 0) {
+                _mm512_storeu_si512(pn, _mm512_setzero_si512());
+                continue;
+            }
+            __m512 s0 = _mm512_load_ps(sb + n * 32), s1 = _mm512_load_ps(sb + n * 32 + 16);
+            if (softcap > 0.0f) { /* softcap * tanh(s / softcap), tanh as 1 - 2 / (e^2x + 1) */
+                const __m512 c = _mm512_set1_ps(softcap), c2 = _mm512_set1_ps(2.0f / softcap), one = _mm512_set1_ps(1.0f);
+                s0 = _mm512_mul_ps(c, _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f),
+                                                                       _mm512_add_ps(exp16_ps(_mm512_mul_ps(s0, c2)), one))));
+                s1 = _mm512_mul_ps(c, _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f),
+                                                                       _mm512_add_ps(exp16_ps(_mm512_mul_ps(s1, c2)), one))));
+            }
+            const __mmask16 k0 = (__mmask16)(valid >= 16 ? 0xFFFFu : (1u << valid) - 1u);
+            const __mmask16 k1 = (__mmask16)(valid >= 32 ? 0xFFFFu : valid <= 16 ? 0u : (1u << (valid - 16)) - 1u);
+            s0 = _mm512_mask_blend_ps(k0, ninf, s0);
+            s1 = _mm512_mask_blend_ps(k1, ninf, s1);
+            const float bm = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)), mo = mx[n];
+            const float mn = bm > mo ? bm : mo;
+            if (mn != mo) { /* rescale what the row holds (nothing before its first block) */
+                const float alpha = exp_f32(mo - mn);
+                const __m512 va = _mm512_set1_ps(alpha);
+                _mm512_storeu_ps(ls + n * 16, _mm512_mul_ps(_mm512_loadu_ps(ls + n * 16), va));
+                float *cn = cacc + (n / 16) * dt * 256 + (n % 16) * 16;
+                for (int64_t t = 0; t < dt; t++) _mm512_store_ps(cn + t * 256, _mm512_mul_ps(_mm512_load_ps(cn + t * 256), va));
+                mx[n] = mn;
+            }
+            const __m512 vm = _mm512_set1_ps(mn);
+            const __m512 e0 = exp16_ps(_mm512_sub_ps(s0, vm)), e1 = exp16_ps(_mm512_sub_ps(s1, vm));
+            _mm512_storeu_ps(ls + n * 16, _mm512_add_ps(_mm512_loadu_ps(ls + n * 16), _mm512_add_ps(e0, e1)));
+            _mm512_storeu_si512(pn, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        }
+        /* values: each row group's accumulators += its weights (A) x the V pairs (B) */
         for (int64_t rg = 0; rg < nrg; rg++) {
-            _tile_loadd(4, pb + rg * 16 * Lp + p0, Lp * 2);
+            _tile_loadd(4, pb + rg * 16 * 32, 64);
             for (int64_t t = 0; t < dt; t++) {
                 float *c = cacc + (rg * dt + t) * 256;
                 _tile_loadd(0, c, 64);
-                _tile_loadd(5, st + 32 * t, D * 4);
+                _tile_loadd(5, vst + 32 * t, D * 4);
                 _tile_dpbf16ps(0, 4, 5);
                 _tile_stored(0, c, 64);
             }
         }
     }
-    for (int64_t n = 0; n < N; n++) {
-        const __m512 vi = _mm512_set1_ps(inv[n]);
-        float *on = out + ((i0 + n / group) * H + g * group + n % group) * D;
-        for (int64_t t = 0; t < dt; t++)
-            _mm512_storeu_ps(on + 16 * t, _mm512_mul_ps(_mm512_load_ps(cacc + ((n / 16) * dt + t) * 256 + 16 * (n % 16)), vi));
-    }
     _tile_release();
+    for (int64_t n = 0; n < N; n++) {
+        float lanes[16];
+        memcpy(lanes, ls + n * 16, sizeof lanes);
+        for (int w = 8; w >= 1; w /= 2)
+            for (int k = 0; k < w; k++) lanes[k] += lanes[k + w];
+        const __m512 vi = _mm512_set1_ps(1.0f / lanes[0]);
+        float *on = out + ((i0 + n / group) * H + g * group + n % group) * D;
+        const float *cn = cacc + (n / 16) * dt * 256 + (n % 16) * 16;
+        for (int64_t t = 0; t < dt; t++) _mm512_storeu_ps(on + 16 * t, _mm512_mul_ps(_mm512_load_ps(cn + t * 256), vi));
+    }
 }
-/* scratch floats attn_items_amx needs beyond its scores: 1/sums, the score tile, the accumulators, q^T, the
- * staging rows and the weights */
+/* scratch floats attn_items_amx needs (its scores stay in a block's buffer): alignment, the score tile, a block's
+ * scores, the maxima and sums, the accumulators, q^T, the staged K and V rows and a block's weights */
 #define ATTN_AMX_SCRATCH(D, Lmax)                                                                           \
-    (ATTN_AMX_ROWS + 16 + 16 + 256 + 4 * ((D) / 16) * 256 + 4 * ((D) / 32) * 256 + 16 * (D) + 32 * ((Lmax) + 32) + 64)
+    (16 + 256 + ATTN_AMX_ROWS * (32 + 1 + 16) + 4 * ((D) / 16) * 256 + 4 * ((D) / 32) * 256 + 32 * (D) +   \
+     ATTN_AMX_ROWS * 16 + 64)
 #define ATTN_AMX_ITEM                                                                                        \
     attn_items_amx(i, 1, g, (const float *)q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, (float *)out, H, d, \
                    scale, softcap, buf);
