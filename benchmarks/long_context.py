@@ -6,7 +6,8 @@ and during its prefill, on izh serve and (optionally) llama.cpp's llama-server, 
         --izh-arg=--kv-cache-dtype --izh-arg=q8_0 --llama-server ~/.cache/izh-peers/llama-server \\
         --llama-arg=-ctk --llama-arg=q8_0 --llama-arg=-ctv --llama-arg=q8_0
 
-Per server: --streams streaming completions (short prompts, --stream-tokens tokens each, ignore_eos) start;
+Per server: --streams streaming completions (short prompts, --stream-tokens tokens each, at most 900,
+ignore_eos) start, each followed by another as soon as it ends, so that --streams decode throughout;
 after --warm-s seconds the long prompt (--prompt-len token ids, 1 output token) is sent. Reported: the long
 prompt's TTFT; the streams' inter-token gaps (p50, p99) before it was sent ("alone") and between its send
 and its first token ("during"). A server that is still prefilling when --timeout-s passes is reported as
@@ -65,16 +66,32 @@ async def _stream(
     return times
 
 
+async def _keep_streaming(
+    client: httpx.AsyncClient,
+    url: str,
+    alias: str,
+    prompt: list[int],
+    tokens: int,
+    requests: list[list[float]],
+) -> None:
+    """One decoding stream for as long as the task runs: a completion of `tokens` tokens, and another as
+    soon as it ends (a stream outlasts a long prefill whatever its length); each request's arrival times
+    go to a list of their own in `requests`."""
+    while True:
+        requests.append([])
+        await _stream(client, url, alias, prompt, tokens, requests[-1])
+
+
 async def _scenario(url: str, alias: str, args: argparse.Namespace) -> dict[str, object]:
     rng = random.Random(args.seed)
     vocab_lo, vocab_hi = 1000, 30000
     long_prompt = [rng.randrange(vocab_lo, vocab_hi) for _ in range(args.prompt_len)]
     shorts = [[rng.randrange(vocab_lo, vocab_hi) for _ in range(32)] for _ in range(args.streams)]
     async with httpx.AsyncClient(timeout=args.timeout_s + 60) as client:
-        arrivals: list[list[float]] = [[] for _ in shorts]
+        per_stream: list[list[list[float]]] = [[] for _ in shorts]  # stream -> its requests' arrival times
         streams = [
-            asyncio.create_task(_stream(client, url, alias, p, args.stream_tokens, times))
-            for p, times in zip(shorts, arrivals, strict=True)
+            asyncio.create_task(_keep_streaming(client, url, alias, p, args.stream_tokens, requests))
+            for p, requests in zip(shorts, per_stream, strict=True)
         ]
         await asyncio.sleep(args.warm_s)
         sent = time.monotonic()
@@ -88,14 +105,17 @@ async def _scenario(url: str, alias: str, args: argparse.Namespace) -> dict[str,
             task.cancel()
         for task in streams:
             with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-                await task  # its arrivals so far are kept in `arrivals`
-    alone, during = [], []
+                await task  # its arrival times so far are kept in `per_stream`
+    arrivals = [times for requests in per_stream for times in requests]  # gaps within a request only
+    alone, during, longest = [], [], []
     for times in arrivals:
         for a, b in itertools.pairwise(times):
             if b < sent and a > sent - args.warm_s / 2:
                 alone.append(b - a)
             elif a >= sent and b <= done:
                 during.append(b - a)
+                longest.append((b - a, a - sent))
+    longest.sort(reverse=True)
     return {
         "ttft_s": ttft,
         "timed_out": ttft is None,
@@ -103,8 +123,15 @@ async def _scenario(url: str, alias: str, args: argparse.Namespace) -> dict[str,
         "itl_alone_p99_ms": None if not alone else 1e3 * (_percentile(alone, 0.99) or 0),
         "itl_during_p50_ms": None if not during else 1e3 * statistics.median(during),
         "itl_during_p99_ms": None if not during else 1e3 * (_percentile(during, 0.99) or 0),
+        "itl_during_max_ms": None if not during else 1e3 * max(during),
+        "itl_during_mean_ms": None if not during else 1e3 * statistics.fmean(during),
         "gaps_alone": len(alone),
         "gaps_during": len(during),
+        "tokens_during_per_stream": [
+            sum(sent <= t <= done for times in requests for t in times) for requests in per_stream
+        ],
+        # the 5 longest gaps during the prefill: (seconds, seconds after the long prompt was sent)
+        "longest_gaps_during": [[round(g, 3), round(at, 3)] for g, at in longest[:5]],
     }
 
 

@@ -1,7 +1,8 @@
 """Scheduler: picks each step's tokens under one token budget (pure Python).
 
-There is no prefill or decode phase. Each step the running requests go first, in order, then the waiting
-ones by policy, and each takes min(tokens still to compute, budget left): a long prompt is prefilled in
+There is no prefill or decode phase. Each step the running requests go first (their decodes, then their
+prompts' chunks, each in order), then the waiting ones by policy, and each takes min(tokens still to
+compute, budget left): a long prompt is prefilled in
 chunks, a prefix-cache hit skips its cached tokens, a decode takes one token, all from the same loop.
 When blocks run out, the lowest-priority, latest-arrival running request is preempted: its blocks are
 freed and it is recomputed later (prompt + outputs so far), usually cheaply thanks to the prefix cache.
@@ -21,6 +22,12 @@ Every chunk still gets at least one token, and as many as fit in a quarter of th
 step's is spent, so that every prompt progresses and a short prompt arriving during a long one is not held
 back behind it; when nothing decodes there is no limit (a prompt alone goes as fast as the token budget
 allows).
+
+Prompts share the step: while a prompt is still being prefilled in chunks and another prompt is prefilling
+too or waiting to start, each running prompt's chunk takes at most an equal part of the token budget, so a
+short request arriving during a long prompt starts at the next step instead of waiting for the whole long
+prompt (on a CPU a 32,000-token prompt takes minutes), and two long prompts advance together. Decodes are not
+capped.
 
 With LoRA (`max_loras` > 0), the running requests use at most `max_loras` distinct adapters, as many as
 the model holds at once (izh.engine.lora_manager): a waiting request on another adapter waits at the
@@ -212,6 +219,9 @@ class Scheduler:
         to (0: no limit; see the module docstring)."""
         self._attention_left: int | None = None
         """What is left of it in the step being scheduled (None: no limit this step)."""
+        self._prefill_share: int | None = None
+        """The most tokens one running prompt's chunk takes in the step being scheduled (None: no cap; see
+        the module docstring, "Prompts share the step")."""
         self.requests: dict[str, Request] = {}
         """Every unfinished request by id."""
         self.running: list[Request] = []
@@ -301,6 +311,11 @@ class Scheduler:
         self._attention_left = (
             self.prefill_attention_budget if self.prefill_attention_budget and decoding else None
         )
+        # Prompts share the step: the running prompts still prefilling, and the waiting queue's head when
+        # it could start, each take at most an equal part of the token budget.
+        sharers = sum(r.num_computed_tokens < r.num_prompt_tokens for r in self.running)
+        sharers += bool(self.waiting) and len(self.running) < self.max_num_seqs
+        self._prefill_share = -(-self.max_num_batched_tokens // sharers) if sharers > 1 else None
         budget = self._schedule_running(output, self.max_num_batched_tokens)
         # After a preemption blocks are scarce: admitting new work would only preempt again.
         if not output.preempted_request_ids:
@@ -315,9 +330,10 @@ class Scheduler:
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
-        """Give each running request, in order, what it still needs; preempt when blocks run out."""
+        """Give each running request what it still needs, the decodes first and then the prompts' chunks in
+        order (a chunk never takes a decode's token); preempt when blocks run out."""
         # A snapshot: preemption removes requests from self.running while we walk it.
-        for request in list(self.running):
+        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -325,6 +341,8 @@ class Scheduler:
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new_tokens <= 0:
                 continue  # its step produced no token (the runner skipped it); nothing to compute
+            if self._prefill_share and request.num_computed_tokens < request.num_prompt_tokens:
+                num_new_tokens = min(num_new_tokens, self._prefill_share)
             if request.num_tokens - request.num_computed_tokens > 1:
                 num_new_tokens = self._cap_by_attention(request.num_computed_tokens, num_new_tokens)
             spec_token_ids = request.spec_token_ids

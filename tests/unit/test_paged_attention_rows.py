@@ -137,15 +137,19 @@ def test_a_bad_sequence_index_is_refused_before_writing() -> None:
     assert torch.equal(seqs.cache, before)
 
 
+@pytest.mark.parametrize("window", [20, 50])
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_sliding_window_reads_only_its_blocks(variant: str, dtype: torch.dtype, softcap: float) -> None:
-    """With a window of 20 keys, a 70-token prompt gives the same bits whole, in chunks and as decodes,
-    with the block-table entries before each call's first window set to -1 (freed blocks are never read,
-    nor checked), and matches the windowed float64 reference; also with Gemma 2's score soft-cap (2.0:
-    below the scores' spread, so the cap changes them)."""
-    window = 20
+@pytest.mark.parametrize(("dtype", "cache"), [(t, t) for t in DTYPES] + [(torch.float32, torch.bfloat16)])
+def test_a_sliding_window_reads_only_its_blocks(
+    variant: str, dtype: torch.dtype, cache: torch.dtype, softcap: float, window: int
+) -> None:
+    """With a window of 20 (or 50) keys, a 70-token prompt gives the same bits whole, in chunks and as
+    decodes, with the block-table entries before each call's first window set to -1 (freed blocks are never
+    read, nor checked), and matches the windowed float64 reference; also with Gemma 2's score soft-cap (2.0:
+    below the scores' spread, so the cap changes them). Also a bfloat16 cache under float32 activations (the
+    AMX tiles' path in the amx build)."""
     seqs = _Sequences(dtype, [70])
+    seqs.cache = seqs.cache.to(cache)
     table = seqs.tables[0]
 
     def run(start: int, end: int) -> Tensor:
@@ -167,8 +171,8 @@ def test_a_sliding_window_reads_only_its_blocks(variant: str, dtype: torch.dtype
 
     q = seqs.q[0].double().transpose(0, 1)
     group = seqs.heads // seqs.kv_heads
-    k = seqs.k[0].double().repeat_interleave(group, 1).transpose(0, 1)
-    v = seqs.v[0].double().repeat_interleave(group, 1).transpose(0, 1)
+    k = seqs.k[0].to(cache).double().repeat_interleave(group, 1).transpose(0, 1)
+    v = seqs.v[0].to(cache).double().repeat_interleave(group, 1).transpose(0, 1)
     pos = torch.arange(70)
     visible = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
     scores = (q @ k.transpose(1, 2)) * seqs.scale
@@ -176,7 +180,8 @@ def test_a_sliding_window_reads_only_its_blocks(variant: str, dtype: torch.dtype
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible, float("-inf"))
     expected = (scores.softmax(-1) @ v).transpose(0, 1)
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    tiles = cache != dtype and K.bf16_cache_on_tiles(seqs.d, group)  # q and the weights in bfloat16
+    tol = 2e-2 if dtype == torch.bfloat16 or tiles else 1e-5
     torch.testing.assert_close(whole.double(), expected, rtol=tol, atol=tol)
     # the torch reference (the fallback without the C kernels) reads the same window
     ref = K.paged_decode_attention_ref(

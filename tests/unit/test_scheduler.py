@@ -334,3 +334,36 @@ def test_prefix_hit_is_recorded_and_skipped() -> None:
     assert (stats["num_steps"], stats["num_scheduled_tokens_last_step"]) == (2, 2)
     assert (stats["num_prompt_tokens"], stats["num_generation_tokens"]) == (12, 2)
     assert (stats["num_running"], stats["num_waiting"], stats["kv_cache_usage"]) == (0, 0, 0.0)
+
+
+def test_a_short_request_arriving_during_a_long_prompt_starts_at_the_next_step() -> None:
+    """Prompts share the step: the long prompt's chunk leaves half the token budget to the waiting short
+    request, which is then prefilled whole and decodes while the long prompt goes on (decodes are scheduled
+    before chunks, so the long prompt, running first, never takes the decode's token)."""
+    scheduler = make_scheduler(num_blocks=400, block_size=16, max_num_batched_tokens=64, max_model_len=2000)
+    scheduler.add_request(make_request("long", 1000, max_tokens=1))
+    assert plan(step(scheduler)[0]) == [("long", 64, 0, False)]
+    scheduler.add_request(make_request("short", 20, first_token=3000, max_tokens=3))
+    assert plan(step(scheduler)[0]) == [("long", 32, 64, False), ("short", 20, 0, True)]
+    # only the long prompt prefills now: the decode goes first, the chunk takes what it leaves
+    assert plan(step(scheduler)[0]) == [("short", 1, 20, True), ("long", 63, 96, False)]
+
+
+def test_two_long_prompts_advance_together() -> None:
+    scheduler = make_scheduler(num_blocks=400, block_size=16, max_num_batched_tokens=64, max_model_len=2000)
+    scheduler.add_request(make_request("a", 500, max_tokens=1))
+    step(scheduler)
+    scheduler.add_request(make_request("b", 500, first_token=3000, max_tokens=1))
+    assert plan(step(scheduler)[0]) == [("a", 32, 64, False), ("b", 32, 0, False)]
+    assert plan(step(scheduler)[0]) == [("a", 32, 96, False), ("b", 32, 32, False)]
+
+
+def test_a_waiting_request_that_cannot_start_takes_no_share() -> None:
+    """At max_num_seqs the waiting head cannot start, so the running prompt keeps the whole budget."""
+    scheduler = make_scheduler(
+        num_blocks=400, block_size=16, max_num_batched_tokens=64, max_model_len=2000, max_num_seqs=1
+    )
+    scheduler.add_request(make_request("long", 500, max_tokens=1))
+    step(scheduler)
+    scheduler.add_request(make_request("next", 20, first_token=3000, max_tokens=1))
+    assert plan(step(scheduler)[0]) == [("long", 64, 64, False)]
