@@ -151,10 +151,21 @@ of 128) ~230 ms, about its decode step. A step that carries a chunk then stays w
 (bench_results/README.md, "Long prompts while streams decode")."""
 
 
-def default_prefill_attention_budget(device_type: str) -> int:
-    """`prefill_attention_budget` when it is unset: CPU_PREFILL_ATTENTION_BUDGET on CPU, 0 (no limit) on CUDA,
-    where attention is not what makes a step long."""
-    return 0 if device_type == "cuda" else CPU_PREFILL_ATTENTION_BUDGET
+CPU_TILES_PREFILL_ATTENTION_BUDGET = 196608
+"""The same where attention runs on the AMX tiles (a bfloat16 cache in the amx variant), whose chunks also
+count each token's own layers (izh.engine.scheduler.PREFILL_TOKEN_PAIRS): ~45 ms of a 0.5B model's chunk
+work a step at ~400 GFLOP/s of attention, so that a step carrying a chunk stays within ~3x a 4-stream decode
+step while a 32,000-token prompt's TTFT stays under half llama.cpp's (bench_results/README.md, "A
+32,000-token prompt while 4 streams decode")."""
+
+
+def default_prefill_attention_budget(device_type: str, attention_on_tiles: bool = False) -> int:
+    """`prefill_attention_budget` when it is unset: CPU_PREFILL_ATTENTION_BUDGET on CPU
+    (CPU_TILES_PREFILL_ATTENTION_BUDGET where attention runs on the AMX tiles), 0 (no limit) on CUDA, where
+    attention is not what makes a step long."""
+    if device_type == "cuda":
+        return 0
+    return CPU_TILES_PREFILL_ATTENTION_BUDGET if attention_on_tiles else CPU_PREFILL_ATTENTION_BUDGET
 
 
 def with_torchrun_env(config: EngineConfig, env: dict[str, str] | None) -> EngineConfig:

@@ -23,7 +23,7 @@ from izh.engine.kv_cache import KVCacheManager
 from izh.engine.lora_manager import LoraManager
 from izh.engine.model_runner import ModelRunner
 from izh.engine.request import Request, RequestStatus
-from izh.engine.scheduler import Scheduler, SchedulerOutput
+from izh.engine.scheduler import PREFILL_TOKEN_PAIRS, Scheduler, SchedulerOutput
 from izh.engine.spec_decode import make_proposer
 from izh.engine_messages import AddRequest, EngineOutput, SchedulerStats, TokenLogprobs
 from izh.errors import IzhError, LoraAdapterError, ModelLoadError
@@ -78,10 +78,12 @@ class EngineCore:
             kv_cache_manager=self.kv_cache_manager,
             max_num_batched_tokens=self.runner.max_num_batched_tokens,
             prefill_attention_budget=(
-                default_prefill_attention_budget(self.runner.device.type)
+                default_prefill_attention_budget(self.runner.device.type, self.runner.attention_on_tiles)
                 if config.prefill_attention_budget is None
                 else config.prefill_attention_budget
             ),
+            # a chunk token's own layers weigh against the budget where attention is cheap (the tiles)
+            prefill_token_pairs=PREFILL_TOKEN_PAIRS if self.runner.attention_on_tiles else 0,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,

@@ -416,6 +416,21 @@ class ModelRunner:
         return None if self.is_encoder else self.model.decode_stack_rows()
 
     @property
+    def attention_on_tiles(self) -> bool:
+        """Whether this model's attention runs on the AMX tiles (`cpu_ops.bf16_cache_on_tiles`: a bfloat16
+        cache under float32 activations in the amx variant), about 2.5x the float32 path's prefill
+        attention: the scheduler's default prefill attention budget is larger there."""
+        mc = self.model_config
+        return (
+            self.device.type == "cpu"
+            and not self.is_encoder
+            and self.dtype == torch.float32
+            and self.kv_format.storage == torch.bfloat16
+            and cpu_ops.available()
+            and cpu_ops.bf16_cache_on_tiles(mc.head_dim, mc.num_attention_heads // mc.num_key_value_heads)
+        )
+
+    @property
     def num_local_kv_heads(self) -> int:
         """The KV heads this rank's cache holds (all of them without tensor parallelism)."""
         world = self.tp_runtime.tp.world_size if self.tp_runtime is not None else 1

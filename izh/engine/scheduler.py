@@ -17,7 +17,9 @@ Long prompts while others decode: a prefill chunk's attention grows with its con
 tokens attends to every position before it), so at 4,000 tokens of context a 128-token chunk costs a CPU
 several decode steps' time, and every decoding stream waits for it. With `prefill_attention_budget` > 0,
 while any running request is past its prompt, the prefill chunks of a step together attend to at most that
-many (query token, context position) pairs: a chunk of T tokens from position c counts T * c + T (T + 1) / 2.
+many (query token, context position) pairs: a chunk of T tokens from position c counts T * c + T (T + 1) / 2,
+plus PREFILL_TOKEN_PAIRS for each token's own layers (so that a chunk at a short context, mostly matmuls,
+is bounded too).
 Every chunk still gets at least one token, and as many as fit in a quarter of the budget even when the
 step's is spent, so that every prompt progresses and a short prompt arriving during a long one is not held
 back behind it; when nothing decodes there is no limit (a prompt alone goes as fast as the token budget
@@ -162,10 +164,25 @@ class _WaitingQueue:
         heapq.heapify(self._heap)
 
 
+PREFILL_TOKEN_PAIRS = 4096
+"""What one token of a prefill chunk costs in its own layers (the linear layers, norms, the LM head's share),
+counted against `prefill_attention_budget` as that many attention pairs where attention runs on the AMX tiles
+(the engine passes it as `prefill_token_pairs` there, 0 elsewhere): about a token's matmuls over
+Qwen2.5-0.5B's weights (~1 ms on 2 AMX cores) against one pair's attention on the tiles (~0.2-0.25 us)
+(bench_results/README.md, "A 32,000-token prompt while 4 streams decode"). Without it a chunk at a short context
+(up to the whole token budget of 128 tokens) made the few steps that stretched the streams' ITL p99."""
+
+
 def prefill_attention_pairs(context: int, num_tokens: int) -> int:
     """The (query token, context position) pairs a prefill chunk of `num_tokens` tokens from position
     `context` attends to: token i (0-based) sees context + i + 1 positions."""
     return num_tokens * context + num_tokens * (num_tokens + 1) // 2
+
+
+def prefill_chunk_cost(context: int, num_tokens: int, token_pairs: int = PREFILL_TOKEN_PAIRS) -> int:
+    """What a prefill chunk counts against `prefill_attention_budget`: its attention pairs, and
+    `token_pairs` for each of its tokens' own layers."""
+    return prefill_attention_pairs(context, num_tokens) + num_tokens * token_pairs
 
 
 class Scheduler:
@@ -183,6 +200,7 @@ class Scheduler:
         is_ready: Callable[[Request], bool] | None = None,
         max_loras: int = 0,
         prefill_attention_budget: int = 0,
+        prefill_token_pairs: int = 0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; supported: {', '.join(POLICIES)}")
@@ -217,6 +235,9 @@ class Scheduler:
         self.prefill_attention_budget = prefill_attention_budget
         """While a running request decodes, the (query, position) pairs a step's prefill chunks may attend
         to (0: no limit; see the module docstring)."""
+        self.prefill_token_pairs = prefill_token_pairs
+        """What each prefill token's own layers count against that budget (the engine: PREFILL_TOKEN_PAIRS on the
+        AMX tiles, else 0)."""
         self._attention_left: int | None = None
         """What is left of it in the step being scheduled (None: no limit this step)."""
         self._prefill_share: int | None = None
@@ -407,14 +428,14 @@ class Scheduler:
             return num_new_tokens
         allowed = max(left, self.prefill_attention_budget // 4)
         n = num_new_tokens
-        if prefill_attention_pairs(context, n) > allowed:
-            # the largest n with n * context + n (n + 1) / 2 <= allowed: n^2 + b n - 2 allowed <= 0 with b odd,
-            # whose root's floor (isqrt(D) - b) // 2 gives exactly (b odd, so rounding D's root down first
-            # cannot lower it)
-            b = 2 * context + 1
+        if prefill_chunk_cost(context, n, self.prefill_token_pairs) > allowed:
+            # the largest n with n * (context + K) + n (n + 1) / 2 <= allowed (K = prefill_token_pairs):
+            # n^2 + b n - 2 allowed <= 0 with b odd, whose root's floor (isqrt(D) - b) // 2 gives exactly
+            # (b odd, so rounding D's root down first cannot lower it)
+            b = 2 * (context + self.prefill_token_pairs) + 1
             n = (math.isqrt(b * b + 8 * allowed) - b) // 2
             n = max(1, min(n, num_new_tokens))
-        self._attention_left = max(0, left - prefill_attention_pairs(context, n))
+        self._attention_left = max(0, left - prefill_chunk_cost(context, n, self.prefill_token_pairs))
         return n
 
     def _lora_fits(self, lora_id: int) -> bool:

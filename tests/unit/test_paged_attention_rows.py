@@ -190,7 +190,7 @@ def test_a_sliding_window_reads_only_its_blocks(
         seqs.v[0][69:70],
         seqs.cache.clone(),
         torch.tensor([seqs.slot(0, 69)]),
-        torch.tensor([[-1] * 2 + table[2:]], dtype=torch.int32),
+        torch.tensor([[-1] * ((70 - window) // 16) + table[(70 - window) // 16 :]], dtype=torch.int32),
         torch.tensor([70], dtype=torch.int32),
         seqs.scale,
         window,

@@ -7,17 +7,27 @@ import pytest
 
 from izh.config import default_prefill_attention_budget
 from izh.engine.kv_cache import KVCacheManager
-from izh.engine.scheduler import Scheduler, prefill_attention_pairs
+from izh.engine.scheduler import (
+    PREFILL_TOKEN_PAIRS,
+    Scheduler,
+    prefill_attention_pairs,
+    prefill_chunk_cost,
+)
 from tests.unit.test_scheduler import make_request, plan, step
 
 
-def scheduler_with(budget: int, *, tokens: int = 128, max_model_len: int = 4096) -> Scheduler:
+def scheduler_with(
+    budget: int, *, tokens: int = 128, max_model_len: int = 4096, token_pairs: int = 0
+) -> Scheduler:
+    """A scheduler under `budget`; its chunks' tokens cost `token_pairs` each besides their attention (0 in
+    most tests here: the pairs alone)."""
     return Scheduler(
         kv_cache_manager=KVCacheManager(num_blocks=600, block_size=16),
         max_num_batched_tokens=tokens,
         max_num_seqs=8,
         max_model_len=max_model_len,
         prefill_attention_budget=budget,
+        prefill_token_pairs=token_pairs,
     )
 
 
@@ -107,6 +117,21 @@ def test_a_short_prompt_arriving_during_a_long_one_is_not_held_behind_it() -> No
     assert [(rid, n) for rid, n, _, _ in rows] == [("chat", 1), ("long", 1), ("short", 40)]
 
 
+def test_a_chunks_tokens_also_count_their_own_layers() -> None:
+    """With each token's layers counted as PREFILL_TOKEN_PAIRS pairs, a chunk at a short context (mostly
+    matmuls) is bounded too, and the step still takes the most that fits."""
+    budget = 131_072
+    assert prefill_chunk_cost(100, 3) == prefill_attention_pairs(100, 3) + 3 * PREFILL_TOKEN_PAIRS
+    scheduler = scheduler_with(budget, token_pairs=PREFILL_TOKEN_PAIRS)
+    scheduler.add_request(make_request("chat", 10, max_tokens=400, ignore_eos=True))
+    step(scheduler)
+    scheduler.add_request(make_request("long", 3000, first_token=1000, max_tokens=1))
+    rows = {rid: (n, before) for rid, n, before, _ in plan(step(scheduler)[0])}
+    n, before = rows["long"]
+    assert before == 0 and n < 127  # the token budget no longer binds first
+    assert prefill_chunk_cost(0, n) <= budget < prefill_chunk_cost(0, n + 1)
+
+
 def test_a_negative_budget_is_refused() -> None:
     with pytest.raises(ValueError, match="prefill_attention_budget"):
         scheduler_with(-1)
@@ -114,4 +139,6 @@ def test_a_negative_budget_is_refused() -> None:
 
 def test_the_default_limits_cpu_steps_only() -> None:
     assert default_prefill_attention_budget("cpu") == 32768
+    assert default_prefill_attention_budget("cpu", attention_on_tiles=True) == 196608
     assert default_prefill_attention_budget("cuda") == 0
+    assert default_prefill_attention_budget("cuda", attention_on_tiles=True) == 0

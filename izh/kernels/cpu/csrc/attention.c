@@ -850,8 +850,8 @@ static __attribute__((noinline)) void attn_items_amx(int64_t i0, int64_t R, int6
                                                      float softcap, float *buf) {
     const int64_t group = H / kvh, N = R * group, nrg = (N + 15) / 16, Lmax = L0 + R - 1;
     const int64_t ks = D / 32, dt = D / 16, rb = D * 2;
-    float *restrict ct = (float *)(((uintptr_t)buf + 63) & ~(uintptr_t)63); /* 16 x 16 */
-    float *restrict sb = ct + 256;                          /* a block's scores [nrg * 16][32] */
+    float *restrict ct = (float *)(((uintptr_t)buf + 63) & ~(uintptr_t)63); /* 4 tiles of 16 x 16 */
+    float *restrict sb = ct + 1024;                         /* a block's scores [nrg * 16][32] */
     float *restrict mx = sb + ATTN_AMX_ROWS * 32;           /* running maxima [N] */
     float *restrict ls = mx + ATTN_AMX_ROWS;                /* running sums [N][16 lanes] */
     float *restrict cacc = ls + ATTN_AMX_ROWS * 16;         /* accumulators [nrg][dt][16 x 16] */
@@ -913,21 +913,40 @@ static __attribute__((noinline)) void attn_items_amx(int64_t i0, int64_t R, int6
                 _mm512_store_si512(vst + k * 2 * D + 64 * c, _mm512_permutex2var_epi16(a, ilo, b));
                 _mm512_store_si512(vst + k * 2 * D + 64 * c + 32, _mm512_permutex2var_epi16(a, ihi, b));
             }
-        /* scores: sb[n][h * 16 + o] = row n's score at position p0 + 16 h + o */
-        for (int64_t rg = 0; rg < nrg; rg++)
-            for (int64_t h = 0; h < 2; h++) {
-                _tile_zero(0);
-                for (int64_t s = 0; s < ks; s++) {
-                    _tile_loadd(4, kst + 16 * h * D + 32 * s, rb);
-                    _tile_loadd(5, qt + (rg * ks + s) * 512, 64);
-                    _tile_dpbf16ps(0, 4, 5);
+        /* scores: sb[n][h * 16 + o] = row n's score at position p0 + 16 h + o; two row groups at a time, so
+         * that four independent tiles accumulate (C: tmm0-3, K halves: tmm4-5, q^T: tmm6-7) */
+        for (int64_t rg = 0; rg < nrg; rg += 2) {
+            const int two = rg + 1 < nrg;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t s = 0; s < ks; s++) {
+                _tile_loadd(4, kst + 32 * s, rb);
+                _tile_loadd(5, kst + 16 * D + 32 * s, rb);
+                _tile_loadd(6, qt + (rg * ks + s) * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 5, 6);
+                if (two) {
+                    _tile_loadd(7, qt + ((rg + 1) * ks + s) * 512, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                    _tile_dpbf16ps(3, 5, 7);
                 }
-                _tile_stored(0, ct, 64);
-                __m512 r16[16];
-                for (int o = 0; o < 16; o++) r16[o] = _mm512_load_ps(ct + 16 * o);
-                tr16x16_ps(r16);
-                for (int i = 0; i < 16; i++) _mm512_store_ps(sb + (16 * rg + i) * 32 + 16 * h, _mm512_mul_ps(r16[i], vs));
             }
+            _tile_stored(0, ct, 64);
+            _tile_stored(1, ct + 256, 64);
+            if (two) {
+                _tile_stored(2, ct + 512, 64);
+                _tile_stored(3, ct + 768, 64);
+            }
+            for (int64_t u = 0; u < (two ? 4 : 2); u++) { /* tile u: row group rg + u / 2, half u % 2 */
+                __m512 r16[16];
+                for (int o = 0; o < 16; o++) r16[o] = _mm512_load_ps(ct + 256 * u + 16 * o);
+                tr16x16_ps(r16);
+                float *dst = sb + (16 * (rg + u / 2)) * 32 + 16 * (u % 2);
+                for (int i = 0; i < 16; i++) _mm512_store_ps(dst + 32 * i, _mm512_mul_ps(r16[i], vs));
+            }
+        }
         /* the online softmax, and the weights in bfloat16 */
         for (int64_t n = 0; n < N; n++) {
             const int64_t L = L0 + n / group, valid = L - p0 < 0 ? 0 : L - p0 > 32 ? 32 : L - p0;
@@ -963,15 +982,33 @@ static __attribute__((noinline)) void attn_items_amx(int64_t i0, int64_t R, int6
             _mm512_storeu_ps(ls + n * 16, _mm512_add_ps(_mm512_loadu_ps(ls + n * 16), _mm512_add_ps(e0, e1)));
             _mm512_storeu_si512(pn, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         }
-        /* values: each row group's accumulators += its weights (A) x the V pairs (B) */
+        /* values: each row group's accumulators += its weights (A: tmm4) x the V pairs (B: tmm5-7), four
+         * accumulator tiles (tmm0-3) at a time */
         for (int64_t rg = 0; rg < nrg; rg++) {
             _tile_loadd(4, pb + rg * 16 * 32, 64);
-            for (int64_t t = 0; t < dt; t++) {
+            for (int64_t t = 0; t < dt; t += 4) {
                 float *c = cacc + (rg * dt + t) * 256;
+                const int64_t w = dt - t < 4 ? dt - t : 4; /* 2 or 4 (D % 32 == 0) */
                 _tile_loadd(0, c, 64);
+                _tile_loadd(1, c + 256, 64);
                 _tile_loadd(5, vst + 32 * t, D * 4);
+                _tile_loadd(6, vst + 32 * t + 32, D * 4);
                 _tile_dpbf16ps(0, 4, 5);
+                _tile_dpbf16ps(1, 4, 6);
+                if (w == 4) {
+                    _tile_loadd(2, c + 512, 64);
+                    _tile_loadd(3, c + 768, 64);
+                    _tile_loadd(7, vst + 32 * t + 64, D * 4);
+                    _tile_dpbf16ps(2, 4, 7);
+                    _tile_loadd(5, vst + 32 * t + 96, D * 4);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
                 _tile_stored(0, c, 64);
+                _tile_stored(1, c + 256, 64);
+                if (w == 4) {
+                    _tile_stored(2, c + 512, 64);
+                    _tile_stored(3, c + 768, 64);
+                }
             }
         }
     }
@@ -990,7 +1027,7 @@ static __attribute__((noinline)) void attn_items_amx(int64_t i0, int64_t R, int6
 /* scratch floats attn_items_amx needs (its scores stay in a block's buffer): alignment, the score tile, a block's
  * scores, the maxima and sums, the accumulators, q^T, the staged K and V rows and a block's weights */
 #define ATTN_AMX_SCRATCH(D, Lmax)                                                                           \
-    (16 + 256 + ATTN_AMX_ROWS * (32 + 1 + 16) + 4 * ((D) / 16) * 256 + 4 * ((D) / 32) * 256 + 32 * (D) +   \
+    (16 + 1024 + ATTN_AMX_ROWS * (32 + 1 + 16) + 4 * ((D) / 16) * 256 + 4 * ((D) / 32) * 256 + 32 * (D) +   \
      ATTN_AMX_ROWS * 16 + 64)
 #define ATTN_AMX_ITEM                                                                                        \
     attn_items_amx(i, 1, g, (const float *)q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, (float *)out, H, d, \
