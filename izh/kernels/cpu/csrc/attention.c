@@ -1188,7 +1188,9 @@ static int attn_prefill_f32(const float *q, int64_t q_ts, int64_t q_hs, const vo
     const int64_t group = H / kvh, DP = (d + 31) / 32 * 32, rb = kv_row_bytes(kt, d);
     const int tiles = kt == KV_BF16 && attn_bf16_tiles(d, group);
     (void)tiles; /* no tiles in builds without AMX */
-    const int64_t mq = tiles && ATTN_AMX_ROWS / group < ATTN_MQ ? ATTN_AMX_ROWS / group : ATTN_MQ;
+    /* the tiles' items take up to ATTN_AMX_ROWS rows (9 tokens of a 7-head group), their scores in a block's
+     * buffer: not bounded by ATTN_MQ */
+    const int64_t mq = tiles ? ATTN_AMX_ROWS / group : ATTN_MQ;
     int64_t nruns = 0;
     for (int64_t i = 0; i < n;) {
         const int64_t S = window_start(seq_lens[i], window);
