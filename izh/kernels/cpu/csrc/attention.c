@@ -766,21 +766,16 @@ INLINE int attn_amx_fits(int64_t D, int64_t group) { return D % 32 == 0 && D <= 
  * llama.cpp's CPU attention likewise rounds q to the cache's type; the cache's own values are used as they are,
  * except that the tiles read bfloat16 subnormals (below ~1.2e-38) as zero.
  *
- * One item: up to 16 rows (R queries of one sequence x the group's query heads sharing KV head g; R = 1 for a
- * decode), which is what keeps a token's attention the same in any batch: every output element comes out of
- * the same sequence of tile products (the same positions per tile, the same K-dimension order) whatever the
- * other rows of its tile are or how many there are, and the softmax in between is softmax_rows, the float32
- * one. Per 16 positions: the K rows (staged, 16 x D) are the A tile, q^T in pairs the B tile, and the 16 x 16
- * scores are transposed into each row's buffer (x scale). Per 32 positions: the weights (16 rows x 32, bf16)
- * are the A tile, the V rows interleaved in pairs of positions (the B tile's VNNI layout) the B tile, into up to
- * 4 accumulator tiles of 16 outputs (D > 64: one pass per 64 outputs). Positions past a row's length weigh 0;
- * past the item's longest row the staged rows are zeros. */
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} attn_tilecfg;
-
+ * One item: up to ATTN_AMX_ROWS rows (R queries of one sequence x the group's query heads sharing KV head g;
+ * R = 1 for a decode), 16 to a tile. What keeps a token's attention the same in any batch: every output element
+ * comes out of the same sequence of tile products (the same positions per tile, the same K-dimension order)
+ * whatever the other rows of its tile are or how many there are, and the online softmax between them is a
+ * function of the row's own scores, block by block from its first position (attn_items_amx). Per 32 positions:
+ * the staged K rows (two 16 x D halves) are the A tiles and q^T in pairs the B tile, each 16 x 16 score tile
+ * transposed into the block's scores (x scale); then the weights (16 rows x 32, bf16) are the A tile and the V
+ * rows interleaved in pairs of positions (the B tile's VNNI layout) the B tiles, into the accumulators (16
+ * outputs a tile, four tiles at a time). Positions past a row's length weigh 0; past the item's longest row the
+ * staged rows are zeros. */
 
 /* Lanes of a 16 x 16 float matrix (rows r[0..15]) transposed in place. */
 INLINE void tr16x16_ps(__m512 *r) {
@@ -864,13 +859,7 @@ static __attribute__((noinline)) void attn_items_amx(int64_t i0, int64_t R, int6
             for (int64_t j = 0; j < D; j++) out[((i0 + n / group) * H + g * group + n % group) * D + j] = 0.0f;
         return;
     }
-    attn_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
+    amx_tilecfg cfg = amx_cfg_16x64(8);
     _tile_loadconfig(&cfg);
     /* q^T in pairs: row n = 16 rg + i of row group rg at qt[rg][s][j][i] = (q_n[32 s + 2 j], q_n[32 s + 2 j + 1]);
      * rows past N are zero, as are their weights */

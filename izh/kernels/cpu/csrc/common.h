@@ -46,6 +46,27 @@
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
+
+#if defined(__AMX_TILE__)
+/* An AMX tile configuration (palette 1): each tile's rows and bytes a row. */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+/* Palette 1 with tiles 0 .. n-1 of 16 rows of 64 bytes (the kernels change what they need), the rest unused. */
+INLINE amx_tilecfg amx_cfg_16x64(int n) {
+    amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < n; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    return cfg;
+}
+#endif
 /* The library is built with -ffp-contract=off (rotary must round like torch); attention, which has no
  * bit-exact reference, lets the compiler fuse multiply-adds. Correct either way; only speed depends on it. */
 #if defined(__GNUC__) && !defined(__clang__)

@@ -34,11 +34,6 @@
 
 #define GQ_AMX_MC 256 /* activation rows per pass: the accumulators, 16 KB, stay in L1 */
 
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} gq_tilecfg;
 
 /* Q4_K's products p = c * s (code c 0..15, sub-block scale s 0..63) by table: gq_q4k_tab[0][s] holds the low
  * bytes of c * s at c, gq_q4k_tab[1][s] the high bytes (0..3), each 16-byte table repeated in the 4 lanes of a
@@ -283,13 +278,7 @@ INLINE void gq_amx_cols(const int type, const uint8_t *w, int64_t row_bytes, int
     int bytes, mk;
     const int bs = gq_info(type, &bytes, &mk);
     const int64_t blocks = K / bs;
-    gq_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
+    amx_tilecfg cfg = amx_cfg_16x64(8);
     if (bs == 32) { /* tile 0: A (K = 32); 2, 3: B (8 rows); 4, 5: C */
         cfg.colsb[0] = 32;
         cfg.rows[2] = cfg.rows[3] = 8;

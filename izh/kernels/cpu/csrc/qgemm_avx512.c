@@ -194,11 +194,6 @@ static int q8_gemm_avx(const uint16_t *x, int64_t xs, const uint8_t *w, int64_t 
 #include <sys/syscall.h>
 #include <unistd.h>
 
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_tilecfg;
 
 static int amx_permitted = -1; /* -1 unknown, 0 no, 1 yes */
 
@@ -262,13 +257,7 @@ INLINE void amx_tiles(const int q8, const uint16_t *xpad, int64_t M, int64_t K, 
     const int64_t record = q8 ? Q8_RECORD : Q4_RECORD;
     const int chunks = (int)((M + 15) / 16);
     const int64_t groups = K / 32;
-    amx_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 6; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
+    amx_tilecfg cfg = amx_cfg_16x64(6);
     _tile_loadconfig(&cfg);
     uint16_t btile[16 * 32] __attribute__((aligned(64)));
     float cbuf[16 * 16] __attribute__((aligned(64)));
