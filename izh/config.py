@@ -62,7 +62,7 @@ class EngineConfig:
     """While other requests decode, the most (query token, context position) pairs the prefill chunks of
     one step attend to, so that a long prompt's chunks shrink as its context grows and the decoding
     streams' steps stay short (izh.engine.scheduler); 0: no limit. None: `default_prefill_attention_budget`
-    (32,768 on CPU, 0 on CUDA)."""
+    (32,768 on CPU, 196,608 where attention runs on the AMX tiles, 0 on CUDA)."""
     max_num_seqs: int = 128
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"

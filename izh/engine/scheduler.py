@@ -18,8 +18,8 @@ tokens attends to every position before it), so at 4,000 tokens of context a 128
 several decode steps' time, and every decoding stream waits for it. With `prefill_attention_budget` > 0,
 while any running request is past its prompt, the prefill chunks of a step together attend to at most that
 many (query token, context position) pairs: a chunk of T tokens from position c counts T * c + T (T + 1) / 2,
-plus PREFILL_TOKEN_PAIRS for each token's own layers (so that a chunk at a short context, mostly matmuls,
-is bounded too).
+plus, where attention runs on the AMX tiles (the engine's `prefill_token_pairs`), PREFILL_TOKEN_PAIRS for
+each token's own layers (so that a chunk at a short context, mostly matmuls, is bounded too).
 Every chunk still gets at least one token, and as many as fit in a quarter of the budget even when the
 step's is spent, so that every prompt progresses and a short prompt arriving during a long one is not held
 back behind it; when nothing decodes there is no limit (a prompt alone goes as fast as the token budget
