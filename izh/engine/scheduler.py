@@ -179,7 +179,7 @@ def prefill_attention_pairs(context: int, num_tokens: int) -> int:
     return num_tokens * context + num_tokens * (num_tokens + 1) // 2
 
 
-def prefill_chunk_cost(context: int, num_tokens: int, token_pairs: int = PREFILL_TOKEN_PAIRS) -> int:
+def prefill_chunk_cost(context: int, num_tokens: int, token_pairs: int) -> int:
     """What a prefill chunk counts against `prefill_attention_budget`: its attention pairs, and
     `token_pairs` for each of its tokens' own layers."""
     return prefill_attention_pairs(context, num_tokens) + num_tokens * token_pairs

@@ -121,7 +121,10 @@ def test_a_chunks_tokens_also_count_their_own_layers() -> None:
     """With each token's layers counted as PREFILL_TOKEN_PAIRS pairs, a chunk at a short context (mostly
     matmuls) is bounded too, and the step still takes the most that fits."""
     budget = 131_072
-    assert prefill_chunk_cost(100, 3) == prefill_attention_pairs(100, 3) + 3 * PREFILL_TOKEN_PAIRS
+    assert (
+        prefill_chunk_cost(100, 3, PREFILL_TOKEN_PAIRS)
+        == prefill_attention_pairs(100, 3) + 3 * PREFILL_TOKEN_PAIRS
+    )
     scheduler = scheduler_with(budget, token_pairs=PREFILL_TOKEN_PAIRS)
     scheduler.add_request(make_request("chat", 10, max_tokens=400, ignore_eos=True))
     step(scheduler)
@@ -129,7 +132,8 @@ def test_a_chunks_tokens_also_count_their_own_layers() -> None:
     rows = {rid: (n, before) for rid, n, before, _ in plan(step(scheduler)[0])}
     n, before = rows["long"]
     assert before == 0 and n < 127  # the token budget no longer binds first
-    assert prefill_chunk_cost(0, n) <= budget < prefill_chunk_cost(0, n + 1)
+    cost = [prefill_chunk_cost(0, t, PREFILL_TOKEN_PAIRS) for t in (n, n + 1)]
+    assert cost[0] <= budget < cost[1]
 
 
 def test_a_negative_budget_is_refused() -> None:

@@ -759,6 +759,8 @@ INLINE int64_t window_start(int64_t L, int64_t window) { return window > 0 && L 
  * 16 rows. */
 INLINE int attn_amx_fits(int64_t D, int64_t group) { return D % 32 == 0 && D <= 32 * MAX_NC && group <= 16; }
 
+#define ATTN_AMX_ROWS 64 /* rows an attn_items_amx item: 4 tiles of 16 */
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__linux__)
 #define ATTN_AMX 1
 /* AMX-BF16 tiles for a bfloat16 cache under float32 activations (the amx build): both products of attention in
@@ -803,8 +805,6 @@ INLINE void tr16x16_ps(__m512 *r) {
     }
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
-
-#define ATTN_AMX_ROWS 64 /* rows an item: 4 tiles of 16 */
 
 /* e^x in 16 lanes, exp_f32's recipe (its clamps, Cody-Waite reduction and polynomial, with fused multiply-adds,
  * the power of two in two halves): the tiles' softmax, a function of x alone. */
@@ -1015,7 +1015,7 @@ static __attribute__((noinline)) void attn_items_amx(int64_t i0, int64_t R, int6
 }
 /* scratch floats attn_items_amx needs (its scores stay in a block's buffer): alignment, the score tile, a block's
  * scores, the maxima and sums, the accumulators, q^T, the staged K and V rows and a block's weights */
-#define ATTN_AMX_SCRATCH(D, Lmax)                                                                           \
+#define ATTN_AMX_SCRATCH(D)                                                                                 \
     (16 + 1024 + ATTN_AMX_ROWS * (32 + 1 + 16) + 4 * ((D) / 16) * 256 + 4 * ((D) / 32) * 256 + 32 * (D) +   \
      ATTN_AMX_ROWS * 16 + 64)
 #define ATTN_AMX_ITEM                                                                                        \
@@ -1023,8 +1023,7 @@ static __attribute__((noinline)) void attn_items_amx(int64_t i0, int64_t R, int6
                    scale, softcap, buf);
 #else
 #define ATTN_AMX 0
-#define ATTN_AMX_ROWS 64
-#define ATTN_AMX_SCRATCH(D, Lmax) 0
+#define ATTN_AMX_SCRATCH(D) 0
 #define ATTN_AMX_ITEM (void)0;
 #endif
 
@@ -1192,10 +1191,10 @@ static int attn_prefill_f32(const float *q, int64_t q_ts, int64_t q_hs, const vo
         nruns++;
         i = j;
     }
-    /* attn_items_f32's buffers for ATTN_MQ queries and a tile of 16 rows (attn_items_amx's), or attn_item_f32's
-     * for one */
+    /* attn_items_f32's buffers for ATTN_MQ queries and a tile of 16 converted rows, or attn_item_f32's for one,
+     * and attn_items_amx's */
     const size_t scratch = (size_t)(ATTN_MQ * group * (max_len + ATTN_MQ + DP + 1) + 16 * DP + group * (max_len + 2 * d + 64) +
-                                    group + 32 + 16 * (d + 32) + 64 + ATTN_AMX_SCRATCH(d, max_len + ATTN_MQ)) *
+                                    group + 32 + 16 * (d + 32) + 64 + ATTN_AMX_SCRATCH(d)) *
                            sizeof(float);
     const int64_t items = nruns * kvh;
     int failed = 0;
@@ -1316,7 +1315,7 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
                                     max_len, nt, work);                                                      \
         const int64_t group = H / kvh;                                                                       \
         const size_t scratch =                                                                               \
-            (size_t)(group * (max_len + 2 * d + 64) + group + 32 + 16 * (d + 32) + ATTN_AMX_SCRATCH(d, max_len)) * \
+            (size_t)(group * (max_len + 2 * d + 64) + group + 32 + 16 * (d + 32) + ATTN_AMX_SCRATCH(d)) * \
             sizeof(float);                                                                                   \
         const int64_t items = n * kvh;                                                                       \
         int failed = 0;                                                                                      \
