@@ -149,6 +149,7 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None, help="also run llama-server (its path)")
     ap.add_argument("--llama-arg", action="append", default=[], help="extra llama-server argument")
     ap.add_argument("--context", type=int, default=None, help="max model length (default: prompt + 1024)")
+    ap.add_argument("--skip-izh", action="store_true", help="run llama-server only (a peer's baseline)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     izh = shutil.which("izh") or str(Path(sys.executable).with_name("izh"))
@@ -158,14 +159,17 @@ def main() -> None:
         raise SystemExit(f"--prompt-len {args.prompt_len} leaves no room in --context {context}")
     stream_cap = min(args.stream_tokens, 900)
     args.stream_tokens = stream_cap
+    if args.skip_izh and not args.llama_server:
+        raise SystemExit("--skip-izh needs --llama-server")
     servers = []
     port = free_port()
-    servers.append((
-        "izh",
-        [izh, "serve", args.gguf, "--served-model-name", args.alias, "--port", str(port), "--log-level", "warning",
-         "--max-model-len", str(context), *args.izh_arg],
-        port,
-    ))  # fmt: skip
+    if not args.skip_izh:
+        servers.append((
+            "izh",
+            [izh, "serve", args.gguf, "--served-model-name", args.alias, "--port", str(port), "--log-level",
+             "warning", "--max-model-len", str(context), *args.izh_arg],
+            port,
+        ))  # fmt: skip
     if args.llama_server:
         port = free_port()
         servers.append((

@@ -62,7 +62,8 @@ class EngineConfig:
     """While other requests decode, the most (query token, context position) pairs the prefill chunks of
     one step attend to, so that a long prompt's chunks shrink as its context grows and the decoding
     streams' steps stay short (izh.engine.scheduler); 0: no limit. None: `default_prefill_attention_budget`
-    (32,768 on CPU, 196,608 where attention runs on the AMX tiles, 0 on CUDA)."""
+    (32,768 on CPU, 131,072 where attention runs in bfloat16 on vdpbf16ps, 196,608 on the AMX tiles, 0 on
+    CUDA)."""
     max_num_seqs: int = 128
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
@@ -159,13 +160,27 @@ step while a 32,000-token prompt's TTFT stays under half llama.cpp's (bench_resu
 32,000-token prompt while 4 streams decode")."""
 
 
-def default_prefill_attention_budget(device_type: str, attention_on_tiles: bool = False) -> int:
-    """`prefill_attention_budget` when it is unset: CPU_PREFILL_ATTENTION_BUDGET on CPU
-    (CPU_TILES_PREFILL_ATTENTION_BUDGET where attention runs on the AMX tiles), 0 (no limit) on CUDA, where
-    attention is not what makes a step long."""
+CPU_DPBF16_PREFILL_ATTENTION_BUDGET = 131072
+"""The same where attention runs on AVX512-BF16's vdpbf16ps (a bfloat16 cache in the avx512 variant: AMD Zen
+4/5, Intel CPUs without usable AMX), chunks counting their tokens' own layers too: ~250 GFLOP/s of attention
+on two Zen 4 cores, so about the tiles' time a step (bench_results/README.md, "A 32,000-token prompt on
+AVX512-BF16")."""
+
+CPU_PREFILL_ATTENTION_BUDGETS = {
+    "float32": CPU_PREFILL_ATTENTION_BUDGET,
+    "dpbf16": CPU_DPBF16_PREFILL_ATTENTION_BUDGET,
+    "tiles": CPU_TILES_PREFILL_ATTENTION_BUDGET,
+}
+"""By the kernel attention runs (`ModelRunner.attention_path`)."""
+
+
+def default_prefill_attention_budget(device_type: str, attention_path: str = "float32") -> int:
+    """`prefill_attention_budget` when it is unset: on CPU by the kernel attention runs
+    (CPU_PREFILL_ATTENTION_BUDGETS: "float32", "dpbf16" or "tiles"), 0 (no limit) on CUDA, where attention is
+    not what makes a step long."""
     if device_type == "cuda":
         return 0
-    return CPU_TILES_PREFILL_ATTENTION_BUDGET if attention_on_tiles else CPU_PREFILL_ATTENTION_BUDGET
+    return CPU_PREFILL_ATTENTION_BUDGETS[attention_path]
 
 
 def with_torchrun_env(config: EngineConfig, env: dict[str, str] | None) -> EngineConfig:

@@ -283,8 +283,9 @@ class EngineSettings(_Section):
         description="While other requests decode, the most (query token, context position) pairs the prefill "
         "chunks of one step attend to: a long prompt's chunks shrink as its context grows (a 128-token chunk "
         "at 4,000 tokens of context is 512,000 pairs), so that the decoding streams' steps stay short, at "
-        "the cost of the long prompt's time to first token. 0 = no limit; unset = 32768 on CPU (196608 where "
-        "attention runs on the AMX tiles, whose chunks also count 4096 pairs a token), 0 on CUDA.",
+        "the cost of the long prompt's time to first token. 0 = no limit; unset = 32768 on CPU (131072 where "
+        "attention over a bfloat16 cache runs on AVX512-BF16's vdpbf16ps, 196608 on the AMX tiles; there chunks "
+        "also count 4096 pairs a token), 0 on CUDA.",
     )
     max_num_seqs: int = Field(default=128, gt=0, description="Most sequences running in one engine step.")
     enable_prefix_caching: bool = Field(

@@ -74,17 +74,17 @@ class EngineCore:
             enable_caching=config.enable_prefix_caching,
             group_windows=self.runner.kv_group_windows,
         )
-        on_tiles = self.runner.attention_on_tiles
+        attention_path = self.runner.attention_path
         self.scheduler = Scheduler(
             kv_cache_manager=self.kv_cache_manager,
             max_num_batched_tokens=self.runner.max_num_batched_tokens,
             prefill_attention_budget=(
-                default_prefill_attention_budget(self.runner.device.type, on_tiles)
+                default_prefill_attention_budget(self.runner.device.type, attention_path)
                 if config.prefill_attention_budget is None
                 else config.prefill_attention_budget
             ),
-            # a chunk token's own layers weigh against the budget where attention is cheap (the tiles)
-            prefill_token_pairs=PREFILL_TOKEN_PAIRS if on_tiles else 0,
+            # a chunk token's own layers weigh against the budget where attention is cheap (bfloat16 products)
+            prefill_token_pairs=0 if attention_path == "float32" else PREFILL_TOKEN_PAIRS,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,

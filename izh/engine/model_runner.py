@@ -416,19 +416,22 @@ class ModelRunner:
         return None if self.is_encoder else self.model.decode_stack_rows()
 
     @property
-    def attention_on_tiles(self) -> bool:
-        """Whether this model's attention runs on the AMX tiles (`cpu_ops.bf16_cache_on_tiles`: a bfloat16
-        cache under float32 activations in the amx variant), about 2.5x the float32 path's prefill
-        attention: the scheduler's default prefill attention budget is larger there."""
+    def attention_path(self) -> str:
+        """Which kernel this model's attention over its cache runs: "tiles" (AMX-BF16) or "dpbf16"
+        (AVX512-BF16's vdpbf16ps) for a bfloat16 cache under float32 activations where the variant has
+        them (`cpu_ops.bf16_cache_path`), about 4x and 2.5x the float32 path's prefill attention; else
+        "float32" (every other cache, dtype or device). The scheduler's default prefill attention budget
+        follows it."""
         mc = self.model_config
-        return (
+        if not (
             self.device.type == "cpu"
             and not self.is_encoder
             and self.dtype == torch.float32
             and self.kv_format.storage == torch.bfloat16
             and cpu_ops.available()
-            and cpu_ops.bf16_cache_on_tiles(mc.head_dim, mc.num_attention_heads // mc.num_key_value_heads)
-        )
+        ):
+            return "float32"
+        return cpu_ops.bf16_cache_path(mc.head_dim, mc.num_attention_heads // mc.num_key_value_heads)
 
     @property
     def num_local_kv_heads(self) -> int:

@@ -18,8 +18,9 @@ tokens attends to every position before it), so at 4,000 tokens of context a 128
 several decode steps' time, and every decoding stream waits for it. With `prefill_attention_budget` > 0,
 while any running request is past its prompt, the prefill chunks of a step together attend to at most that
 many (query token, context position) pairs: a chunk of T tokens from position c counts T * c + T (T + 1) / 2,
-plus, where attention runs on the AMX tiles (the engine's `prefill_token_pairs`), PREFILL_TOKEN_PAIRS for
-each token's own layers (so that a chunk at a short context, mostly matmuls, is bounded too).
+plus, where attention runs in bfloat16 (the AMX tiles or vdpbf16ps: the engine's `prefill_token_pairs`),
+PREFILL_TOKEN_PAIRS for each token's own layers (so that a chunk at a short context, mostly matmuls, is
+bounded too).
 Every chunk still gets at least one token, and as many as fit in a quarter of the budget even when the
 step's is spent, so that every prompt progresses and a short prompt arriving during a long one is not held
 back behind it; when nothing decodes there is no limit (a prompt alone goes as fast as the token budget
@@ -166,8 +167,8 @@ class _WaitingQueue:
 
 PREFILL_TOKEN_PAIRS = 4096
 """What one token of a prefill chunk costs in its own layers (the linear layers, norms, the LM head's share),
-counted against `prefill_attention_budget` as that many attention pairs where attention runs on the AMX tiles
-(the engine passes it as `prefill_token_pairs` there, 0 elsewhere): about a token's matmuls over
+counted against `prefill_attention_budget` as that many attention pairs where attention runs in bfloat16 (the
+AMX tiles or vdpbf16ps: the engine passes it as `prefill_token_pairs` there, 0 elsewhere): about a token's matmuls over
 Qwen2.5-0.5B's weights (~1 ms on 2 AMX cores) against one pair's attention on the tiles (~0.2-0.25 us)
 (bench_results/README.md, "A 32,000-token prompt while 4 streams decode"). Without it a chunk at a short context
 (up to the whole token budget of 128 tokens) made the few steps that stretched the streams' ITL p99."""

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from izh import LLM, SamplingParams
+from izh.config import CPU_PREFILL_ATTENTION_BUDGETS
+from izh.engine.scheduler import PREFILL_TOKEN_PAIRS
 from izh.errors import ModelLoadError
 from izh.kernels import cpu as cpu_ops
 from izh.kernels.kv_cache_dtype import KV_CACHE_DTYPES
@@ -141,6 +143,22 @@ def test_logits_do_not_depend_on_batch_chunks_preemption_or_prefix_cache(
     for i, result in enumerate(rec_cached.run(cached, PROMPTS, no_prompt_rows)):
         _assert_same(result, alone[i], f"{kv} prefix cache hit, prompt {i}")
     assert cached.engine_core.make_stats().prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+def test_the_prefill_budget_follows_the_attention_kernel(variant: str, model_path: str, kv: str) -> None:
+    """A bfloat16 cache runs attention on the AMX tiles (the amx variant) or vdpbf16ps (avx512), and the
+    scheduler's default prefill attention budget and token cost follow; the float32 path elsewhere."""
+    llm = _engine(model_path, cpu_kernels=variant, kv_cache_dtype=kv)
+    expected = "float32"
+    if kv == "bfloat16" and variant == "avx512":
+        expected = "dpbf16"
+    elif kv == "bfloat16" and variant == "amx":
+        expected = "tiles" if cpu_ops.bf16_cache_on_tiles(32, 2) else "dpbf16"
+    assert llm.engine_core.runner.attention_path == expected
+    scheduler = llm.engine_core.scheduler
+    assert scheduler.prefill_attention_budget == CPU_PREFILL_ATTENTION_BUDGETS[expected]
+    assert scheduler.prefill_token_pairs == (0 if expected == "float32" else PREFILL_TOKEN_PAIRS)
 
 
 @pytest.mark.parametrize(("kv", "row_bytes"), [("float32", 128), ("bfloat16", 64), ("fp8", 32), ("q8_0", 34)])

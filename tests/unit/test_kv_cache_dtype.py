@@ -147,9 +147,9 @@ class _Sequences:
 
 
 def _tolerance(dtype: torch.dtype, kv: str = "float32", head_dim: int = 64, group: int = 4) -> float:
-    """bfloat16 activations, or a bfloat16 cache on the AMX tiles (q and the weights rounded to bfloat16,
-    K.bf16_cache_on_tiles): 2e-2, a few bfloat16 ulps of outputs of size ~1; else float32's 1e-5."""
-    rounded = kv == "bfloat16" and dtype == torch.float32 and K.bf16_cache_on_tiles(head_dim, group)
+    """bfloat16 activations, or a bfloat16 cache on the AMX tiles or vdpbf16ps (q and the weights rounded to
+    bfloat16, K.bf16_cache_path): 2e-2, a few bfloat16 ulps of outputs of size ~1; else float32's 1e-5."""
+    rounded = kv == "bfloat16" and dtype == torch.float32 and K.bf16_cache_path(head_dim, group) != "float32"
     return 2e-2 if dtype == torch.bfloat16 or rounded else 1e-5
 
 
@@ -229,7 +229,7 @@ def test_every_code_reads_as_its_value(variant: str, kv: str) -> None:
         zeros, zeros, zeros, cache, torch.full((n,), -1), tables, torch.ones(n, dtype=torch.int32), 0.125
     )
     want = dequantize_kv(rows, d)
-    if kv == "bfloat16" and K.bf16_cache_on_tiles(d, 1):  # the AMX tiles read subnormals as zero
+    if kv == "bfloat16" and K.bf16_cache_path(d, 1) != "float32":  # tiles and vdpbf16ps read subnormals as zero
         want = torch.where(want.abs() < torch.finfo(torch.bfloat16).tiny, torch.zeros_like(want), want)
     assert torch.equal(out[:, 0], want)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from izh.config import default_prefill_attention_budget
+from izh.config import CPU_DPBF16_PREFILL_ATTENTION_BUDGET, default_prefill_attention_budget
 from izh.engine.kv_cache import KVCacheManager
 from izh.engine.scheduler import (
     PREFILL_TOKEN_PAIRS,
@@ -143,6 +143,8 @@ def test_a_negative_budget_is_refused() -> None:
 
 def test_the_default_limits_cpu_steps_only() -> None:
     assert default_prefill_attention_budget("cpu") == 32768
-    assert default_prefill_attention_budget("cpu", attention_on_tiles=True) == 196608
+    assert default_prefill_attention_budget("cpu", "float32") == 32768
+    assert default_prefill_attention_budget("cpu", "dpbf16") == CPU_DPBF16_PREFILL_ATTENTION_BUDGET
+    assert default_prefill_attention_budget("cpu", "tiles") == 196608
     assert default_prefill_attention_budget("cuda") == 0
-    assert default_prefill_attention_budget("cuda", attention_on_tiles=True) == 0
+    assert default_prefill_attention_budget("cuda", "tiles") == 0

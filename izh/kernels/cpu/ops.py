@@ -46,6 +46,7 @@ __all__ = [
     "add_rms_norm_",
     "argmax_rows",
     "bf16_cache_on_tiles",
+    "bf16_cache_path",
     "decode_stack",
     "lora_add_",
     "paged_attention",
@@ -231,6 +232,24 @@ def bf16_cache_on_tiles(head_dim: int, group: int) -> bool:
     fn = lib.handle.izh_attention_bf16_on_tiles
     fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int64, ctypes.c_int64]
     return bool(fn(head_dim, group))
+
+
+BF16_CACHE_PATHS = ("float32", "dpbf16", "tiles")
+
+
+def bf16_cache_path(head_dim: int, group: int) -> str:
+    """Which kernel attention over a bfloat16 cache under float32 activations takes here: "tiles" (AMX-BF16,
+    as bf16_cache_on_tiles), "dpbf16" (AVX512-BF16's vdpbf16ps: the avx512 variant, or the amx one where
+    Linux grants no tiles; head_dim a multiple of 32, at most 16 query heads per KV head) or "float32" (the
+    rows converted to float32: AVX2, NEON, the generic C). The first two round q and the softmax weights to
+    bfloat16 and read bfloat16 subnormals in the cache as zero; every path gives each token the same result in
+    any batch, chunking, or as a decode."""
+    lib = STATE.active or resolve()
+    if lib.handle is None:
+        return "float32"
+    fn = lib.handle.izh_attention_bf16_path
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int64, ctypes.c_int64]
+    return BF16_CACHE_PATHS[fn(head_dim, group)]
 
 
 def paged_attention(

@@ -761,6 +761,33 @@ INLINE int attn_amx_fits(int64_t D, int64_t group) { return D % 32 == 0 && D <= 
 
 #define ATTN_AMX_ROWS 64 /* rows an attn_items_amx item: 4 tiles of 16 */
 
+#if HAVE_QGEMM /* AVX-512 F/BW and BF16: the avx512 and amx builds */
+/* e^x in 16 lanes, exp_f32's recipe (its clamps, Cody-Waite reduction and polynomial, with fused multiply-adds,
+ * the power of two in two halves): the tiles' softmax, a function of x alone. */
+INLINE __m512 exp16_ps(__m512 x) {
+    const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.8f));
+    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f)),
+                                   _mm512_set1_ps(12582912.0f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i ni = _mm512_cvtps_epi32(n), n1 = _mm512_srai_epi32(ni, 1), n2 = _mm512_sub_epi32(ni, n1);
+    const __m512i b127 = _mm512_set1_epi32(127);
+    y = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, b127), 23))),
+                      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, b127), 23)));
+    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283935546875f), _CMP_GT_OQ), y,
+                             _mm512_set1_ps(INFINITY));
+    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-103.972084f), _CMP_LT_OQ), y, _mm512_setzero_ps());
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
+}
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__linux__)
 #define ATTN_AMX 1
 /* AMX-BF16 tiles for a bfloat16 cache under float32 activations (the amx build): both products of attention in
@@ -804,31 +831,6 @@ INLINE void tr16x16_ps(__m512 *r) {
         t[12 + e] = _mm512_shuffle_f32x4(u1, u3, 0xdd); /* 12 + e */
     }
     for (int i = 0; i < 16; i++) r[i] = t[i];
-}
-
-/* e^x in 16 lanes, exp_f32's recipe (its clamps, Cody-Waite reduction and polynomial, with fused multiply-adds,
- * the power of two in two halves): the tiles' softmax, a function of x alone. */
-INLINE __m512 exp16_ps(__m512 x) {
-    const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.8f));
-    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f)),
-                                   _mm512_set1_ps(12582912.0f));
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    const __m512i ni = _mm512_cvtps_epi32(n), n1 = _mm512_srai_epi32(ni, 1), n2 = _mm512_sub_epi32(ni, n1);
-    const __m512i b127 = _mm512_set1_epi32(127);
-    y = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, b127), 23))),
-                      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, b127), 23)));
-    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283935546875f), _CMP_GT_OQ), y,
-                             _mm512_set1_ps(INFINITY));
-    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-103.972084f), _CMP_LT_OQ), y, _mm512_setzero_ps());
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
 }
 
 /* Rows i0 .. i0+R-1 (lengths L0 + r, first position S; R * group <= ATTN_AMX_ROWS) for KV head g over a bfloat16
@@ -1027,11 +1029,246 @@ static __attribute__((noinline)) void attn_items_amx(int64_t i0, int64_t R, int6
 #define ATTN_AMX_ITEM (void)0;
 #endif
 
+#if HAVE_QGEMM
+#define ATTN_DP 1
+/* The same recipe as the tiles' (attn_items_amx) with AVX512-BF16's vdpbf16ps in place of TDPBF16PS, for CPUs
+ * with AVX512-BF16 and no AMX (AMD Zen 4/5, Intel Cooper Lake; the avx512 build) and the amx build where Linux
+ * does not grant the tiles: a bfloat16 cache under float32 activations, q and the softmax weights rounded to
+ * bfloat16, exact products summed in float32. vdpbf16ps adds two products to each of 16 float32 lanes, so each
+ * product of attention keeps one of its outputs in a lane:
+ *  - scores: a lane per query row (16 rows, a "row group"), its two bfloat16 of q at one pair of head elements
+ *    (q^T in pairs: the tiles' B layout); a K row's same pair broadcast to every lane; 16 pairs x ks steps per
+ *    position. The scores of 32 positions land as 32 vectors of the row group's 16 rows.
+ *  - the online softmax lane-wise on those vectors (a row's running maximum, sum and rescale in its lane),
+ *    each pair of positions' weights packed into one 32-bit word a row (bf16 of the even, then the odd);
+ *  - values: a lane per head element, a row's pair of weights broadcast against 16 elements of two V rows
+ *    interleaved in pairs of positions (the tiles' VNNI layout); the accumulators of a few rows in registers.
+ * Every output element is computed in its own lane from its row's own q, scores and weights, in the same
+ * positions' blocks from the row's first position, whatever the other rows of its item are: a decode and a
+ * prompt token (beside up to ATTN_AMX_ROWS rows) run the same operations, so a token's attention is the same
+ * alone, batched, chunked or decoded. Positions past a row's length weigh 0 (past the item's longest row, a
+ * row of zeros is read). vdpbf16ps reads bfloat16 subnormals as zero and rounds like TDPBF16PS; the order of
+ * its two products within a lane is the instruction's, fixed on a given CPU. */
+static const uint16_t attn_zero_row[32 * MAX_NC] __attribute__((aligned(64)));
+
+/* The scores of `two` (1 or 2) row groups (q^T in pairs at qt, the second's after the first's ks * 512) at 32
+ * staged K rows: sb[o][lane] (the second group's 512 floats on) = scale x row lane's q . K[o], each K pair
+ * broadcast once for both groups; per row the same sums in the same order either way. */
+INLINE void attn_dp_scores(const uint16_t *kst, const uint16_t *qt, float *sb, const int64_t D, __m512 vs,
+                           const int two) {
+    const int64_t ks = D / 32;
+    const __m512bh *q0 = (const __m512bh *)qt, *q1 = (const __m512bh *)(qt + ks * 512);
+    for (int64_t o0 = 0; o0 < 32; o0 += 8) {
+        __m512 a[8], b[8];
+        for (int u = 0; u < 8; u++) a[u] = b[u] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < ks * 16; c++) {
+            const __m512bh qa = q0[c];
+            const __m512bh qb = two == 2 ? q1[c] : qa;
+            for (int u = 0; u < 8; u++) {
+                const __m512bh kb = (__m512bh)_mm512_set1_epi32(((const int32_t *)(kst + (o0 + u) * D))[c]);
+                a[u] = _mm512_dpbf16_ps(a[u], kb, qa);
+                if (two == 2) b[u] = _mm512_dpbf16_ps(b[u], kb, qb);
+            }
+        }
+        for (int u = 0; u < 8; u++) {
+            _mm512_store_ps(sb + 16 * (o0 + u), _mm512_mul_ps(a[u], vs));
+            if (two == 2) _mm512_store_ps(sb + 512 + 16 * (o0 + u), _mm512_mul_ps(b[u], vs));
+        }
+    }
+}
+
+INLINE __attribute__((always_inline)) void attn_items_dp_body(int64_t i0, int64_t R, int64_t g, const float *q,
+                                                              int64_t q_ts, int64_t q_hs, const void *kc, const void *vc,
+                                                              int64_t block_size, int64_t kvh, const int32_t *blocks,
+                                                              int64_t S, int64_t L0, float *out, int64_t H,
+                                                              const int64_t D, float scale, float softcap, float *buf) {
+    const int64_t group = H / kvh, N = R * group, nrg = (N + 15) / 16, Lmax = L0 + R - 1;
+    const int64_t ks = D / 32, dt = D / 16, rb = D * 2;
+    /* accumulators a pass: up to 16 vectors (TB of a row's dt, RB rows) */
+    const int64_t TB = dt < 16 ? dt : 16, RB = 16 / TB;
+    float *restrict sb = (float *)(((uintptr_t)buf + 63) & ~(uintptr_t)63); /* scores [nrg][32][16] */
+    uint32_t *restrict pbt = (uint32_t *)(sb + ATTN_AMX_ROWS * 32);       /* a row group's weights in pairs [16][16] */
+    float *restrict mx = (float *)(pbt + 256);                           /* running maxima [nrg * 16] */
+    float *restrict ls = mx + ATTN_AMX_ROWS;                             /* running sums [nrg * 16] */
+    float *restrict cacc = ls + ATTN_AMX_ROWS;                           /* accumulators [nrg * 16][D] */
+    uint16_t *restrict qt = (uint16_t *)(cacc + nrg * 16 * D);           /* [nrg][ks][16 pairs][16 rows][2] */
+    uint16_t *restrict vst = qt + nrg * ks * 512;                        /* 16 V pairs [16][D][2] */
+    uint16_t *restrict kst = vst + 32 * D;                               /* 32 staged K rows [32][D] */
+    if (Lmax <= 0) {
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t j = 0; j < D; j++) out[((i0 + n / group) * H + g * group + n % group) * D + j] = 0.0f;
+        return;
+    }
+    memset(qt, 0, sizeof(uint16_t) * (size_t)(nrg * ks * 512));
+    memset(cacc, 0, sizeof(float) * (size_t)(nrg * 16 * D));
+    for (int64_t n = 0; n < nrg * 16; n++) {
+        ls[n] = 0.0f;
+        mx[n] = n < N ? -INFINITY : 0.0f; /* a lane past N: no position, weights exp(-inf - 0) = 0, no NaN */
+    }
+    for (int64_t n = 0; n < N; n++) {
+        const float *qn = q + (i0 + n / group) * q_ts + (g * group + n % group) * q_hs;
+        uint16_t *qg = qt + (n / 16) * ks * 512 + (n % 16) * 2;
+        for (int64_t e = 0; e < D; e++) qg[(e / 32) * 512 + ((e % 32) / 2) * 32 + e % 2] = f2bf(qn[e]);
+    }
+    const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+    /* (e0[n], e1[n]) pairs from cvtne2ps_pbh(e1, e0)'s halves */
+    const __m512i ipair = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t p0 = 0; p0 < Lmax; p0 += 32) {
+        const int64_t m = Lmax - p0 < 32 ? Lmax - p0 : 32;
+        const void *kr[32], *vr[32];
+        row_ptrs(kr, kc, blocks, S + p0, S + Lmax, block_size, kvh, g, rb);
+        row_ptrs(kr + 16, kc, blocks, S + p0 + 16, S + Lmax, block_size, kvh, g, rb);
+        row_ptrs(vr, vc, blocks, S + p0, S + Lmax, block_size, kvh, g, rb);
+        row_ptrs(vr + 16, vc, blocks, S + p0 + 16, S + Lmax, block_size, kvh, g, rb);
+        for (int64_t o = m; o < 32; o++) kr[o] = vr[o] = attn_zero_row;
+        for (int64_t a = 0; a < 32; a += 16) {
+            prefetch_rows_l2(kc, blocks, S + p0 + ATTN_L2_AHEAD + a, S + Lmax, block_size, kvh, g, rb);
+            prefetch_rows_l2(vc, blocks, S + p0 + ATTN_L2_AHEAD + a, S + Lmax, block_size, kvh, g, rb);
+        }
+        /* K rows staged (one base address for the broadcasts); V rows interleaved in pairs of positions:
+         * vst[k][2 d + e] = V[p0 + 2 k + e][d] */
+        for (int64_t o = 0; o < 32; o++)
+            for (int64_t c = 0; c < ks; c++)
+                _mm512_store_si512(kst + o * D + 32 * c, _mm512_loadu_si512((const uint16_t *)kr[o] + 32 * c));
+        for (int64_t k = 0; k < 16; k++)
+            for (int64_t c = 0; c < ks; c++) {
+                const __m512i a = _mm512_loadu_si512((const uint16_t *)vr[2 * k] + 32 * c);
+                const __m512i b = _mm512_loadu_si512((const uint16_t *)vr[2 * k + 1] + 32 * c);
+                _mm512_store_si512(vst + k * 2 * D + 64 * c, _mm512_permutex2var_epi16(a, ilo, b));
+                _mm512_store_si512(vst + k * 2 * D + 64 * c + 32, _mm512_permutex2var_epi16(a, ihi, b));
+            }
+        /* scores: sb[rg][o][lane] = row 16 rg + lane's score at position p0 + o; two row groups at a time
+         * share each broadcast of a K pair */
+        for (int64_t rg = 0; rg < nrg; rg += 2)
+            if (rg + 1 < nrg)
+                attn_dp_scores(kst, qt + rg * ks * 512, sb + rg * 512, D, vs, 2);
+            else
+                attn_dp_scores(kst, qt + rg * ks * 512, sb + rg * 512, D, vs, 1);
+        for (int64_t rg = 0; rg < nrg; rg++) {
+            float *restrict sg = sb + rg * 512;
+            /* the online softmax, lane by lane: soft-capping, positions past each row's length at -inf, the
+             * block's maximum */
+            int32_t lens[16];
+            for (int64_t l = 0; l < 16; l++) {
+                const int64_t n = 16 * rg + l;
+                lens[l] = n < N ? (int32_t)(L0 + n / group - p0) : 0;
+            }
+            const __m512i vlen = _mm512_loadu_si512(lens);
+            const __m512 mo = _mm512_loadu_ps(mx + 16 * rg);
+            __m512 mn = mo;
+            for (int64_t o = 0; o < 32; o++) {
+                __m512 s = _mm512_load_ps(sg + 16 * o);
+                if (softcap > 0.0f) { /* softcap * tanh(s / softcap), tanh as 1 - 2 / (e^2x + 1) */
+                    const __m512 c = _mm512_set1_ps(softcap), one = _mm512_set1_ps(1.0f);
+                    s = _mm512_mul_ps(c, _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f),
+                                                                          _mm512_add_ps(exp16_ps(_mm512_mul_ps(
+                                                                                            s, _mm512_set1_ps(2.0f / softcap))),
+                                                                                        one))));
+                }
+                s = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(vlen, _mm512_set1_epi32((int)o)), ninf, s);
+                _mm512_store_ps(sg + 16 * o, s);
+                mn = _mm512_max_ps(mn, s);
+            }
+            __mmask16 grew = _mm512_cmp_ps_mask(mn, mo, _CMP_NEQ_UQ);
+            __m512 l = _mm512_loadu_ps(ls + 16 * rg);
+            if (grew) { /* rescale what those rows hold (nothing before their first block) */
+                float alpha[16];
+                const __m512 va = exp16_ps(_mm512_sub_ps(mo, mn));
+                _mm512_storeu_ps(alpha, va);
+                l = _mm512_mask_mul_ps(l, grew, l, va);
+                for (; grew; grew &= grew - 1) {
+                    float *cn = cacc + (16 * rg + __builtin_ctz(grew)) * D;
+                    const __m512 a = _mm512_set1_ps(alpha[__builtin_ctz(grew)]);
+                    for (int64_t t = 0; t < dt; t++) _mm512_storeu_ps(cn + 16 * t, _mm512_mul_ps(_mm512_loadu_ps(cn + 16 * t), a));
+                }
+            }
+            _mm512_storeu_ps(mx + 16 * rg, mn);
+            for (int64_t k = 0; k < 16; k++) {
+                const __m512 e0 = exp16_ps(_mm512_sub_ps(_mm512_load_ps(sg + 32 * k), mn));
+                const __m512 e1 = exp16_ps(_mm512_sub_ps(_mm512_load_ps(sg + 32 * k + 16), mn));
+                l = _mm512_add_ps(_mm512_add_ps(l, e0), e1);
+                _mm512_store_si512(pbt + 16 * k, _mm512_permutexvar_epi16(ipair, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
+            }
+            _mm512_storeu_ps(ls + 16 * rg, l);
+            /* values: RB rows' accumulators (TB vectors each) += their weights' pairs x the V pairs */
+            const int64_t nend = N < 16 * rg + 16 ? N : 16 * rg + 16;
+            for (int64_t n0 = 16 * rg; n0 < nend; n0 += RB)
+                for (int64_t t0 = 0; t0 < dt; t0 += TB) {
+                    __m512 acc[16];
+                    for (int64_t r = 0; r < RB; r++)
+                        for (int64_t t = 0; t < TB; t++) acc[r * TB + t] = _mm512_loadu_ps(cacc + (n0 + r) * D + 16 * (t0 + t));
+                    for (int64_t k = 0; k < 16; k++) {
+                        __m512bh v[16];
+                        for (int64_t t = 0; t < TB; t++) v[t] = (__m512bh)_mm512_load_si512(vst + k * 2 * D + 32 * (t0 + t));
+                        for (int64_t r = 0; r < RB; r++) {
+                            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pbt[16 * k + n0 + r - 16 * rg]);
+                            for (int64_t t = 0; t < TB; t++) acc[r * TB + t] = _mm512_dpbf16_ps(acc[r * TB + t], w, v[t]);
+                        }
+                    }
+                    for (int64_t r = 0; r < RB; r++)
+                        for (int64_t t = 0; t < TB; t++) _mm512_storeu_ps(cacc + (n0 + r) * D + 16 * (t0 + t), acc[r * TB + t]);
+                }
+        }
+    }
+    for (int64_t n = 0; n < N; n++) {
+        const __m512 vi = _mm512_set1_ps(1.0f / ls[n]);
+        float *on = out + ((i0 + n / group) * H + g * group + n % group) * D;
+        const float *cn = cacc + n * D;
+        for (int64_t t = 0; t < dt; t++) _mm512_storeu_ps(on + 16 * t, _mm512_mul_ps(_mm512_loadu_ps(cn + 16 * t), vi));
+    }
+}
+
+static __attribute__((noinline)) void attn_items_dp(int64_t i0, int64_t R, int64_t g, const float *q, int64_t q_ts,
+                                                    int64_t q_hs, const void *kc, const void *vc, int64_t block_size,
+                                                    int64_t kvh, const int32_t *blocks, int64_t S, int64_t L0,
+                                                    float *out, int64_t H, int64_t d, float scale, float softcap,
+                                                    float *buf) {
+    if (d == 64)
+        attn_items_dp_body(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L0, out, H, 64, scale, softcap,
+                           buf);
+    else if (d == 128)
+        attn_items_dp_body(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L0, out, H, 128, scale,
+                           softcap, buf);
+    else if (d == 256)
+        attn_items_dp_body(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L0, out, H, 256, scale,
+                           softcap, buf);
+    else
+        attn_items_dp_body(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L0, out, H, d, scale, softcap,
+                           buf);
+}
+/* scratch floats attn_items_dp needs: alignment, the row groups' scores, a row group's weights, the maxima and sums, the
+ * accumulators, q^T in pairs, the V pairs and the staged K rows */
+#define ATTN_DP_SCRATCH(D)                                                                                   \
+    (16 + ATTN_AMX_ROWS * 32 + 256 + 2 * ATTN_AMX_ROWS + ATTN_AMX_ROWS * (D) + 4 * ((D) / 32) * 256 + 32 * (D))
+#define ATTN_DP_ITEM                                                                                         \
+    attn_items_dp(i, 1, g, (const float *)q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, (float *)out, H, d, \
+                  scale, softcap, buf);
+#else
+#define ATTN_DP 0
+#define ATTN_DP_SCRATCH(D) 0
+#define ATTN_DP_ITEM (void)0;
+#endif
+
 /* 1 when a bfloat16 cache under float32 activations runs on the AMX tiles (attn_items_amx) for head size D and
  * `group` query heads per KV head: the amx build, on a CPU whose tiles Linux lets this process use. */
 INLINE int attn_bf16_tiles(int64_t D, int64_t group) { return ATTN_AMX && attn_amx_fits(D, group) && izh_amx_permitted(); }
 
+/* Which kernel a bfloat16 cache under float32 activations takes for head size D and `group` query heads per KV
+ * head: 2 the AMX tiles (attn_items_amx), 1 vdpbf16ps (attn_items_dp: builds with AVX512-BF16, where the tiles
+ * are not), 0 the float32 items over rows converted to float32 (the AVX2 and generic builds). 1 and 2 round q
+ * and the softmax weights to bfloat16. */
+INLINE int attn_bf16_path(int64_t D, int64_t group) {
+    if (!attn_amx_fits(D, group)) return 0;
+    if (attn_bf16_tiles(D, group)) return 2;
+    return ATTN_DP;
+}
+
 int izh_attention_bf16_on_tiles(int64_t d, int64_t group) { return attn_bf16_tiles(d, group); }
+int izh_attention_bf16_path(int64_t d, int64_t group) { return attn_bf16_path(d, group); }
 
 /* Per dtype, one non-inlined item function (keeps the compile time down): head sizes 64 and 128 get
  * compile-time copies, the rest (up to 32 * MAX_NC) the runtime-D one. A cache of another kv type than the
@@ -1063,6 +1300,8 @@ int izh_attention_bf16_on_tiles(int64_t d, int64_t group) { return attn_bf16_til
         const int64_t rb = (BF) ? d * 2 : d * 4;                                                             \
         if (!(BF) && kt == KV_BF16 && attn_bf16_tiles(d, H / kvh))                                          \
             ATTN_AMX_ITEM                                                                                    \
+        else if (!(BF) && kt == KV_BF16 && attn_bf16_path(d, H / kvh) == 1)                                 \
+            ATTN_DP_ITEM                                                                                     \
         else if (kt != ((BF) ? KV_BF16 : KV_F32))                                                            \
             attn_item_conv_##SFX(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, out, H, d, scale,  \
                                  softcap, buf, kt, kv_row_bytes(kt, d));                                     \
@@ -1174,11 +1413,10 @@ static int attn_prefill_f32(const float *q, int64_t q_ts, int64_t q_hs, const vo
     int64_t *runs = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)n);
     if (!runs) return -4;
     const int64_t group = H / kvh, DP = (d + 31) / 32 * 32, rb = kv_row_bytes(kt, d);
-    const int tiles = kt == KV_BF16 && attn_bf16_tiles(d, group);
-    (void)tiles; /* no tiles in builds without AMX */
-    /* the tiles' items take up to ATTN_AMX_ROWS rows (9 tokens of a 7-head group), their scores in a block's
-     * buffer: not bounded by ATTN_MQ */
-    const int64_t mq = tiles ? ATTN_AMX_ROWS / group : ATTN_MQ;
+    const int bf16_path = kt == KV_BF16 ? attn_bf16_path(d, group) : 0;
+    /* the tiles' and vdpbf16ps's items take up to ATTN_AMX_ROWS rows (9 tokens of a 7-head group), their scores
+     * in a block's buffer: not bounded by ATTN_MQ */
+    const int64_t mq = bf16_path ? ATTN_AMX_ROWS / group : ATTN_MQ;
     int64_t nruns = 0;
     for (int64_t i = 0; i < n;) {
         const int64_t S = window_start(seq_lens[i], window);
@@ -1194,7 +1432,7 @@ static int attn_prefill_f32(const float *q, int64_t q_ts, int64_t q_hs, const vo
     /* attn_items_f32's buffers for ATTN_MQ queries and a tile of 16 converted rows, or attn_item_f32's for one,
      * and attn_items_amx's */
     const size_t scratch = (size_t)(ATTN_MQ * group * (max_len + ATTN_MQ + DP + 1) + 16 * DP + group * (max_len + 2 * d + 64) +
-                                    group + 32 + 16 * (d + 32) + 64 + ATTN_AMX_SCRATCH(d)) *
+                                    group + 32 + 16 * (d + 32) + 64 + ATTN_AMX_SCRATCH(d) + ATTN_DP_SCRATCH(d)) *
                            sizeof(float);
     const int64_t items = nruns * kvh;
     int failed = 0;
@@ -1214,8 +1452,15 @@ static int attn_prefill_f32(const float *q, int64_t q_ts, int64_t q_hs, const vo
                     continue;
                 }
                 const int32_t *blocks = block_tables + row_seq[i0] * max_blocks;
+#if ATTN_DP
+                if (bf16_path == 1) {
+                    attn_items_dp(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, seq_lens[i0] - S, out, H,
+                                  d, scale, softcap, buf);
+                    continue;
+                }
+#endif
 #if ATTN_AMX
-                if (tiles) {
+                if (bf16_path == 2) {
                     attn_items_amx(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, seq_lens[i0] - S, out, H,
                                    d, scale, softcap, buf);
                     continue;
@@ -1315,7 +1560,7 @@ INLINE int attn_prepare(const void *k, int64_t k_ts, int64_t k_hs, const void *v
                                     max_len, nt, work);                                                      \
         const int64_t group = H / kvh;                                                                       \
         const size_t scratch =                                                                               \
-            (size_t)(group * (max_len + 2 * d + 64) + group + 32 + 16 * (d + 32) + ATTN_AMX_SCRATCH(d)) * \
+            (size_t)(group * (max_len + 2 * d + 64) + group + 32 + 16 * (d + 32) + ATTN_AMX_SCRATCH(d) + ATTN_DP_SCRATCH(d)) * \
             sizeof(float);                                                                                   \
         const int64_t items = n * kvh;                                                                       \
         int failed = 0;                                                                                      \
