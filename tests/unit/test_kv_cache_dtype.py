@@ -229,7 +229,8 @@ def test_every_code_reads_as_its_value(variant: str, kv: str) -> None:
         zeros, zeros, zeros, cache, torch.full((n,), -1), tables, torch.ones(n, dtype=torch.int32), 0.125
     )
     want = dequantize_kv(rows, d)
-    if kv == "bfloat16" and K.bf16_cache_path(d, 1) != "float32":  # tiles and vdpbf16ps read subnormals as zero
+    # the tiles and vdpbf16ps read bfloat16 subnormals as zero
+    if kv == "bfloat16" and K.bf16_cache_path(d, 1) != "float32":
         want = torch.where(want.abs() < torch.finfo(torch.bfloat16).tiny, torch.zeros_like(want), want)
     assert torch.equal(out[:, 0], want)
 
