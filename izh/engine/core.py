@@ -23,7 +23,7 @@ from izh.engine.kv_cache import KVCacheManager
 from izh.engine.lora_manager import LoraManager
 from izh.engine.model_runner import ModelRunner
 from izh.engine.request import Request, RequestStatus
-from izh.engine.scheduler import PREFILL_TOKEN_PAIRS, Scheduler, SchedulerOutput
+from izh.engine.scheduler import PREFILL_TOKEN_PAIRS_BY_PATH, Scheduler, SchedulerOutput
 from izh.engine.spec_decode import make_proposer
 from izh.engine_messages import AddRequest, EngineOutput, SchedulerStats, TokenLogprobs
 from izh.errors import IzhError, LoraAdapterError, ModelLoadError
@@ -84,7 +84,7 @@ class EngineCore:
                 else config.prefill_attention_budget
             ),
             # a chunk token's own layers weigh against the budget where attention is cheap (bfloat16 products)
-            prefill_token_pairs=0 if attention_path == "float32" else PREFILL_TOKEN_PAIRS,
+            prefill_token_pairs=PREFILL_TOKEN_PAIRS_BY_PATH[attention_path],
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,

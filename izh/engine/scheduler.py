@@ -18,8 +18,8 @@ tokens attends to every position before it), so at 4,000 tokens of context a 128
 several decode steps' time, and every decoding stream waits for it. With `prefill_attention_budget` > 0,
 while any running request is past its prompt, the prefill chunks of a step together attend to at most that
 many (query token, context position) pairs: a chunk of T tokens from position c counts T * c + T (T + 1) / 2,
-plus, where attention runs in bfloat16 (the AMX tiles or vdpbf16ps: the engine's `prefill_token_pairs`),
-PREFILL_TOKEN_PAIRS for each token's own layers (so that a chunk at a short context, mostly matmuls, is
+plus, where attention runs in bfloat16 (the AMX tiles or vdpbf16ps: the engine's `prefill_token_pairs`,
+PREFILL_TOKEN_PAIRS_BY_PATH), a number of pairs for each token's own layers (so that a chunk at a short context, mostly matmuls, is
 bounded too).
 Every chunk still gets at least one token, and as many as fit in a quarter of the budget even when the
 step's is spent, so that every prompt progresses and a short prompt arriving during a long one is not held
@@ -167,11 +167,17 @@ class _WaitingQueue:
 
 PREFILL_TOKEN_PAIRS = 4096
 """What one token of a prefill chunk costs in its own layers (the linear layers, norms, the LM head's share),
-counted against `prefill_attention_budget` as that many attention pairs where attention runs in bfloat16 (the
-AMX tiles or vdpbf16ps: the engine passes it as `prefill_token_pairs` there, 0 elsewhere): about a token's matmuls over
-Qwen2.5-0.5B's weights (~1 ms on 2 AMX cores) against one pair's attention on the tiles (~0.2-0.25 us)
-(bench_results/README.md, "A 32,000-token prompt while 4 streams decode"). Without it a chunk at a short context
-(up to the whole token budget of 128 tokens) made the few steps that stretched the streams' ITL p99."""
+counted against `prefill_attention_budget` as that many attention pairs where attention runs on the AMX tiles
+(PREFILL_TOKEN_PAIRS_BY_PATH): about a token's matmuls over Qwen2.5-0.5B's weights (~1 ms on 2 AMX cores)
+against one pair's attention on the tiles (~0.2-0.25 us) (bench_results/README.md, "A 32,000-token prompt while
+4 streams decode"). Without it a chunk at a short context (up to the whole token budget of 128 tokens) made the
+few steps that stretched the streams' ITL p99."""
+
+PREFILL_TOKEN_PAIRS_BY_PATH = {"float32": 0, "dpbf16": 8192, "tiles": PREFILL_TOKEN_PAIRS}
+"""The engine's `prefill_token_pairs` by the kernel attention runs (`ModelRunner.attention_path`): 0 on the
+float32 path (its budget bounds attention alone); on vdpbf16ps (the avx512 variant) 8,192, a token's matmuls on
+two Zen 4 cores (~4 ms: AVX-512 VNNI, no tiles) against a pair's attention there (~0.35-0.6 us)
+(bench_results/README.md, "A 32,000-token prompt on AVX512-BF16")."""
 
 
 def prefill_attention_pairs(context: int, num_tokens: int) -> int:
@@ -237,8 +243,8 @@ class Scheduler:
         """While a running request decodes, the (query, position) pairs a step's prefill chunks may attend
         to (0: no limit; see the module docstring)."""
         self.prefill_token_pairs = prefill_token_pairs
-        """What each prefill token's own layers count against that budget (the engine: PREFILL_TOKEN_PAIRS on the
-        AMX tiles, else 0)."""
+        """What each prefill token's own layers count against that budget (the engine:
+        PREFILL_TOKEN_PAIRS_BY_PATH)."""
         self._attention_left: int | None = None
         """What is left of it in the step being scheduled (None: no limit this step)."""
         self._prefill_share: int | None = None

@@ -17,7 +17,7 @@ import torch
 
 from izh import LLM, SamplingParams
 from izh.config import CPU_PREFILL_ATTENTION_BUDGETS
-from izh.engine.scheduler import PREFILL_TOKEN_PAIRS
+from izh.engine.scheduler import PREFILL_TOKEN_PAIRS_BY_PATH
 from izh.errors import ModelLoadError
 from izh.kernels import cpu as cpu_ops
 from izh.kernels.kv_cache_dtype import KV_CACHE_DTYPES
@@ -158,7 +158,8 @@ def test_the_prefill_budget_follows_the_attention_kernel(variant: str, model_pat
     assert llm.engine_core.runner.attention_path == expected
     scheduler = llm.engine_core.scheduler
     assert scheduler.prefill_attention_budget == CPU_PREFILL_ATTENTION_BUDGETS[expected]
-    assert scheduler.prefill_token_pairs == (0 if expected == "float32" else PREFILL_TOKEN_PAIRS)
+    assert scheduler.prefill_token_pairs == PREFILL_TOKEN_PAIRS_BY_PATH[expected]
+    assert (scheduler.prefill_token_pairs > 0) == (expected != "float32")
 
 
 @pytest.mark.parametrize(("kv", "row_bytes"), [("float32", 128), ("bfloat16", 64), ("fp8", 32), ("q8_0", 34)])

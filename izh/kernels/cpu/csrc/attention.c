@@ -1051,11 +1051,49 @@ static __attribute__((noinline)) void attn_items_amx(int64_t i0, int64_t R, int6
  * its two products within a lane is the instruction's, fixed on a given CPU. */
 static const uint16_t attn_zero_row[32 * MAX_NC] __attribute__((aligned(64)));
 
+/* e^x for x <= 0 (a score less its row's maximum) or NaN: exp16_ps's reduction and polynomial, the power of
+ * two in one step (x >= -87: 2^n a normal float), 0 below -87 (e^-87 ~ 1.6e-38, a bfloat16 weight of 0 anyway,
+ * and -inf), NaN kept. */
+INLINE __m512 exp16_le0_ps(__m512 x) {
+    const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f)),
+                                   _mm512_set1_ps(12582912.0f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), y, _mm512_setzero_ps());
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
+}
+
+/* A score vector (16 rows' q . K at position o of the block) finished: x scale, soft-capped (softcap *
+ * tanh(s / softcap), tanh as 1 - 2 / (e^2x + 1)), and -inf in the lanes whose row is shorter than o + 1 (vlen:
+ * each lane's length from the block's first position) when `masked`. */
+INLINE __m512 attn_dp_score(__m512 a, __m512 vs, float softcap, const int masked, __m512i vlen, int64_t o) {
+    __m512 s = _mm512_mul_ps(a, vs);
+    if (softcap > 0.0f) {
+        const __m512 one = _mm512_set1_ps(1.0f);
+        const __m512 e = exp16_ps(_mm512_mul_ps(s, _mm512_set1_ps(2.0f / softcap)));
+        s = _mm512_mul_ps(_mm512_set1_ps(softcap), _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one))));
+    }
+    if (masked)
+        s = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(vlen, _mm512_set1_epi32((int)o)), _mm512_set1_ps(-INFINITY), s);
+    return s;
+}
+
 /* The scores of `two` (1 or 2) row groups (q^T in pairs at qt, the second's after the first's ks * 512) at 32
- * staged K rows: sb[o][lane] (the second group's 512 floats on) = scale x row lane's q . K[o], each K pair
- * broadcast once for both groups; per row the same sums in the same order either way. */
+ * staged K rows, finished (attn_dp_score; vlen[0..1] the groups' lengths from the block's first position):
+ * sb[o][lane] (the second group's 512 floats on), and each group's running maximum mx[0..1] raised to them.
+ * Each K pair is broadcast once for both groups; per row the same operations in the same order either way. */
 INLINE void attn_dp_scores(const uint16_t *kst, const uint16_t *qt, float *sb, const int64_t D, __m512 vs,
-                           const int two) {
+                           float softcap, const int masked, const __m512i *vlen, __m512 *mx, const int two) {
     const int64_t ks = D / 32;
     const __m512bh *q0 = (const __m512bh *)qt, *q1 = (const __m512bh *)(qt + ks * 512);
     for (int64_t o0 = 0; o0 < 32; o0 += 8) {
@@ -1071,8 +1109,14 @@ INLINE void attn_dp_scores(const uint16_t *kst, const uint16_t *qt, float *sb, c
             }
         }
         for (int u = 0; u < 8; u++) {
-            _mm512_store_ps(sb + 16 * (o0 + u), _mm512_mul_ps(a[u], vs));
-            if (two == 2) _mm512_store_ps(sb + 512 + 16 * (o0 + u), _mm512_mul_ps(b[u], vs));
+            const __m512 sa = attn_dp_score(a[u], vs, softcap, masked, vlen[0], o0 + u);
+            _mm512_store_ps(sb + 16 * (o0 + u), sa);
+            mx[0] = _mm512_max_ps(mx[0], sa);
+            if (two == 2) {
+                const __m512 sbv = attn_dp_score(b[u], vs, softcap, masked, vlen[1], o0 + u);
+                _mm512_store_ps(sb + 512 + 16 * (o0 + u), sbv);
+                mx[1] = _mm512_max_ps(mx[1], sbv);
+            }
         }
     }
 }
@@ -1101,16 +1145,18 @@ INLINE __attribute__((always_inline)) void attn_items_dp_body(int64_t i0, int64_
     }
     memset(qt, 0, sizeof(uint16_t) * (size_t)(nrg * ks * 512));
     memset(cacc, 0, sizeof(float) * (size_t)(nrg * 16 * D));
+    int32_t rlen[ATTN_AMX_ROWS]; /* each row's length (0 past N) */
     for (int64_t n = 0; n < nrg * 16; n++) {
         ls[n] = 0.0f;
         mx[n] = n < N ? -INFINITY : 0.0f; /* a lane past N: no position, weights exp(-inf - 0) = 0, no NaN */
+        rlen[n] = n < N ? (int32_t)(L0 + n / group) : 0;
     }
     for (int64_t n = 0; n < N; n++) {
         const float *qn = q + (i0 + n / group) * q_ts + (g * group + n % group) * q_hs;
         uint16_t *qg = qt + (n / 16) * ks * 512 + (n % 16) * 2;
         for (int64_t e = 0; e < D; e++) qg[(e / 32) * 512 + ((e % 32) / 2) * 32 + e % 2] = f2bf(qn[e]);
     }
-    const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 vs = _mm512_set1_ps(scale);
     const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
@@ -1141,43 +1187,37 @@ INLINE __attribute__((always_inline)) void attn_items_dp_body(int64_t i0, int64_
                 _mm512_store_si512(vst + k * 2 * D + 64 * c, _mm512_permutex2var_epi16(a, ilo, b));
                 _mm512_store_si512(vst + k * 2 * D + 64 * c + 32, _mm512_permutex2var_epi16(a, ihi, b));
             }
-        /* scores: sb[rg][o][lane] = row 16 rg + lane's score at position p0 + o; two row groups at a time
-         * share each broadcast of a K pair */
-        for (int64_t rg = 0; rg < nrg; rg += 2)
-            if (rg + 1 < nrg)
-                attn_dp_scores(kst, qt + rg * ks * 512, sb + rg * 512, D, vs, 2);
+        /* scores: sb[rg][o][lane] = row 16 rg + lane's score at position p0 + o, finished, and each row's
+         * maximum so far (mnew); two row groups at a time share each broadcast of a K pair. Positions past
+         * a row's length are masked only in the blocks that reach past the shortest row (row 0's L0): a row
+         * keeps every position of the others either way. */
+        const int masked = p0 + 32 > L0;
+        __m512i vlen[ATTN_AMX_ROWS / 16];
+        __m512 mnew[ATTN_AMX_ROWS / 16];
+        for (int64_t rg = 0; rg < nrg; rg++) {
+            vlen[rg] = _mm512_sub_epi32(_mm512_loadu_si512(rlen + 16 * rg), _mm512_set1_epi32((int)p0));
+            mnew[rg] = _mm512_loadu_ps(mx + 16 * rg);
+        }
+        for (int64_t rg = 0; rg < nrg; rg += 2) {
+            const int two = rg + 1 < nrg;
+            if (masked && two)
+                attn_dp_scores(kst, qt + rg * ks * 512, sb + rg * 512, D, vs, softcap, 1, vlen + rg, mnew + rg, 2);
+            else if (masked)
+                attn_dp_scores(kst, qt + rg * ks * 512, sb + rg * 512, D, vs, softcap, 1, vlen + rg, mnew + rg, 1);
+            else if (two)
+                attn_dp_scores(kst, qt + rg * ks * 512, sb + rg * 512, D, vs, softcap, 0, vlen + rg, mnew + rg, 2);
             else
-                attn_dp_scores(kst, qt + rg * ks * 512, sb + rg * 512, D, vs, 1);
+                attn_dp_scores(kst, qt + rg * ks * 512, sb + rg * 512, D, vs, softcap, 0, vlen + rg, mnew + rg, 1);
+        }
         for (int64_t rg = 0; rg < nrg; rg++) {
             float *restrict sg = sb + rg * 512;
-            /* the online softmax, lane by lane: soft-capping, positions past each row's length at -inf, the
-             * block's maximum */
-            int32_t lens[16];
-            for (int64_t l = 0; l < 16; l++) {
-                const int64_t n = 16 * rg + l;
-                lens[l] = n < N ? (int32_t)(L0 + n / group - p0) : 0;
-            }
-            const __m512i vlen = _mm512_loadu_si512(lens);
-            const __m512 mo = _mm512_loadu_ps(mx + 16 * rg);
-            __m512 mn = mo;
-            for (int64_t o = 0; o < 32; o++) {
-                __m512 s = _mm512_load_ps(sg + 16 * o);
-                if (softcap > 0.0f) { /* softcap * tanh(s / softcap), tanh as 1 - 2 / (e^2x + 1) */
-                    const __m512 c = _mm512_set1_ps(softcap), one = _mm512_set1_ps(1.0f);
-                    s = _mm512_mul_ps(c, _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f),
-                                                                          _mm512_add_ps(exp16_ps(_mm512_mul_ps(
-                                                                                            s, _mm512_set1_ps(2.0f / softcap))),
-                                                                                        one))));
-                }
-                s = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(vlen, _mm512_set1_epi32((int)o)), ninf, s);
-                _mm512_store_ps(sg + 16 * o, s);
-                mn = _mm512_max_ps(mn, s);
-            }
+            /* the online softmax, lane by lane */
+            const __m512 mo = _mm512_loadu_ps(mx + 16 * rg), mn = mnew[rg];
             __mmask16 grew = _mm512_cmp_ps_mask(mn, mo, _CMP_NEQ_UQ);
             __m512 l = _mm512_loadu_ps(ls + 16 * rg);
             if (grew) { /* rescale what those rows hold (nothing before their first block) */
                 float alpha[16];
-                const __m512 va = exp16_ps(_mm512_sub_ps(mo, mn));
+                const __m512 va = exp16_le0_ps(_mm512_sub_ps(mo, mn));
                 _mm512_storeu_ps(alpha, va);
                 l = _mm512_mask_mul_ps(l, grew, l, va);
                 for (; grew; grew &= grew - 1) {
@@ -1188,8 +1228,8 @@ INLINE __attribute__((always_inline)) void attn_items_dp_body(int64_t i0, int64_
             }
             _mm512_storeu_ps(mx + 16 * rg, mn);
             for (int64_t k = 0; k < 16; k++) {
-                const __m512 e0 = exp16_ps(_mm512_sub_ps(_mm512_load_ps(sg + 32 * k), mn));
-                const __m512 e1 = exp16_ps(_mm512_sub_ps(_mm512_load_ps(sg + 32 * k + 16), mn));
+                const __m512 e0 = exp16_le0_ps(_mm512_sub_ps(_mm512_load_ps(sg + 32 * k), mn));
+                const __m512 e1 = exp16_le0_ps(_mm512_sub_ps(_mm512_load_ps(sg + 32 * k + 16), mn));
                 l = _mm512_add_ps(_mm512_add_ps(l, e0), e1);
                 _mm512_store_si512(pbt + 16 * k, _mm512_permutexvar_epi16(ipair, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
             }
