@@ -162,8 +162,9 @@ step while a 32,000-token prompt's TTFT stays under half llama.cpp's (bench_resu
 
 CPU_DPBF16_PREFILL_ATTENTION_BUDGET = 131072
 """The same where attention runs on AVX512-BF16's vdpbf16ps (a bfloat16 cache in the avx512 variant: AMD Zen
-4/5, Intel CPUs without usable AMX), chunks counting their tokens' own layers too: ~250 GFLOP/s of attention
-on two Zen 4 cores, so about the tiles' time a step (bench_results/README.md, "A 32,000-token prompt on
+4/5, Intel CPUs without usable AMX), whose chunks count their tokens' own layers too (8,192 pairs a token):
+~60-70 ms of a 0.5B model's chunk work a step on two Zen 4 cores (~250-290 GFLOP/s of attention, ~4 ms of
+matmuls a token), about twice its 4-stream decode step (bench_results/README.md, "A 32,000-token prompt on
 AVX512-BF16")."""
 
 CPU_PREFILL_ATTENTION_BUDGETS = {

@@ -285,7 +285,7 @@ class EngineSettings(_Section):
         "at 4,000 tokens of context is 512,000 pairs), so that the decoding streams' steps stay short, at "
         "the cost of the long prompt's time to first token. 0 = no limit; unset = 32768 on CPU (131072 where "
         "attention over a bfloat16 cache runs on AVX512-BF16's vdpbf16ps, 196608 on the AMX tiles; there chunks "
-        "also count 4096 pairs a token), 0 on CUDA.",
+        "also count 8192 or 4096 pairs a token), 0 on CUDA.",
     )
     max_num_seqs: int = Field(default=128, gt=0, description="Most sequences running in one engine step.")
     enable_prefix_caching: bool = Field(

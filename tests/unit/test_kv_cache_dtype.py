@@ -204,7 +204,8 @@ def test_rows_do_not_depend_on_their_batch(variant: str, kv: str) -> None:
 def test_every_code_reads_as_its_value(variant: str, kv: str) -> None:
     """A one-token context attends with weight 1 to its value row, so the output is the row as the kernel
     read it: every finite code of the format (q8_0: every int8 code under several scales) comes out exactly
-    as `dequantize_kv` (torch's own conversion) gives it (bfloat16 on the AMX tiles: its subnormals as 0)."""
+    as `dequantize_kv` (torch's own conversion) gives it (bfloat16 on the AMX tiles or vdpbf16ps: its
+    subnormals as 0)."""
     fmt = kv_cache_format(kv, torch.float32)
     d = 64
     if fmt.quantized:

@@ -147,7 +147,7 @@ def test_a_sliding_window_reads_only_its_blocks(
     decodes, with the block-table entries before each call's first window set to -1 (freed blocks are never
     read, nor checked), and matches the windowed float64 reference; also with Gemma 2's score soft-cap (2.0:
     below the scores' spread, so the cap changes them). Also a bfloat16 cache under float32 activations (the
-    AMX tiles' path in the amx build)."""
+    AMX tiles' path in the amx build, vdpbf16ps's in the avx512 one)."""
     seqs = _Sequences(dtype, [70])
     seqs.cache = seqs.cache.to(cache)
     table = seqs.tables[0]
