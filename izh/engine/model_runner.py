@@ -419,7 +419,7 @@ class ModelRunner:
     def attention_path(self) -> str:
         """Which kernel this model's attention over its cache runs: "tiles" (AMX-BF16) or "dpbf16"
         (AVX512-BF16's vdpbf16ps) for a bfloat16 cache under float32 activations where the variant has
-        them (`cpu_ops.bf16_cache_path`), about 4x and 2.5x the float32 path's prefill attention; else
+        them (`cpu_ops.bf16_cache_path`), about 3x and 2.7x the float32 path's prefill attention; else
         "float32" (every other cache, dtype or device). The scheduler's default prefill attention budget
         follows it."""
         mc = self.model_config

@@ -19,8 +19,8 @@ several decode steps' time, and every decoding stream waits for it. With `prefil
 while any running request is past its prompt, the prefill chunks of a step together attend to at most that
 many (query token, context position) pairs: a chunk of T tokens from position c counts T * c + T (T + 1) / 2,
 plus, where attention runs in bfloat16 (the AMX tiles or vdpbf16ps: the engine's `prefill_token_pairs`,
-PREFILL_TOKEN_PAIRS_BY_PATH), a number of pairs for each token's own layers (so that a chunk at a short context, mostly matmuls, is
-bounded too).
+PREFILL_TOKEN_PAIRS_BY_PATH), a number of pairs for each token's own layers (so that a chunk at a short
+context, mostly matmuls, is bounded too).
 Every chunk still gets at least one token, and as many as fit in a quarter of the budget even when the
 step's is spent, so that every prompt progresses and a short prompt arriving during a long one is not held
 back behind it; when nothing decodes there is no limit (a prompt alone goes as fast as the token budget
