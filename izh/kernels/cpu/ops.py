@@ -45,7 +45,6 @@ __all__ = [
     "STACK_LORA_LINEAR",
     "add_rms_norm_",
     "argmax_rows",
-    "bf16_cache_on_tiles",
     "bf16_cache_path",
     "decode_stack",
     "lora_add_",
@@ -220,29 +219,16 @@ def paged_decode_attention(
     )
 
 
-def bf16_cache_on_tiles(head_dim: int, group: int) -> bool:
-    """Whether attention over a bfloat16 cache under float32 activations runs on the AMX tiles here (the amx
-    variant, a CPU whose tiles Linux lets this process use; head_dim a multiple of 32, at most 16 query heads
-    per KV head): both products in AMX-BF16, so q and the softmax weights are rounded to bfloat16 first (as
-    llama.cpp rounds q to its cache's type) and bfloat16 subnormals in the cache read as zero. Each token's
-    result is still the same in any batch, chunking, or as a decode."""
-    lib = STATE.active or resolve()
-    if lib.handle is None:
-        return False
-    fn = lib.handle.izh_attention_bf16_on_tiles
-    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int64, ctypes.c_int64]
-    return bool(fn(head_dim, group))
-
-
 BF16_CACHE_PATHS = ("float32", "dpbf16", "tiles")
 
 
 def bf16_cache_path(head_dim: int, group: int) -> str:
-    """Which kernel attention over a bfloat16 cache under float32 activations takes here: "tiles" (AMX-BF16,
-    as bf16_cache_on_tiles), "dpbf16" (AVX512-BF16's vdpbf16ps: the avx512 variant, or the amx one where
-    Linux grants no tiles; head_dim a multiple of 32, at most 16 query heads per KV head) or "float32" (the
-    rows converted to float32: AVX2, NEON, the generic C). The first two round q and the softmax weights to
-    bfloat16 and read bfloat16 subnormals in the cache as zero; every path gives each token the same result in
+    """Which kernel attention over a bfloat16 cache under float32 activations takes here: "tiles" (AMX-BF16:
+    the amx variant, on a CPU whose tiles Linux lets this process use), "dpbf16" (AVX512-BF16's vdpbf16ps:
+    the avx512 variant, or the amx one where Linux grants no tiles) or "float32" (the rows converted to
+    float32: AVX2, NEON, the generic C, and head sizes not a multiple of 32 or over 16 query heads per KV
+    head). The first two round q and the softmax weights to bfloat16 (as llama.cpp rounds q to its cache's
+    type) and read bfloat16 subnormals in the cache as zero; every path gives each token the same result in
     any batch, chunking, or as a decode."""
     lib = STATE.active or resolve()
     if lib.handle is None:

@@ -762,21 +762,27 @@ INLINE int attn_amx_fits(int64_t D, int64_t group) { return D % 32 == 0 && D <= 
 #define ATTN_AMX_ROWS 64 /* rows an attn_items_amx item: 4 tiles of 16 */
 
 #if HAVE_QGEMM /* AVX-512 F/BW and BF16: the avx512 and amx builds */
-/* e^x in 16 lanes, exp_f32's recipe (its clamps, Cody-Waite reduction and polynomial, with fused multiply-adds,
- * the power of two in two halves): the tiles' softmax, a function of x alone. */
-INLINE __m512 exp16_ps(__m512 x) {
-    const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.8f));
-    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f)),
-                                   _mm512_set1_ps(12582912.0f));
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+/* exp_f32's Cody-Waite reduction and polynomial in 16 lanes: e^xc = the result x 2^n (*n: xc log2(e) rounded). */
+INLINE __m512 exp16_reduced(__m512 xc, __m512 *n) {
+    *n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f)),
+                       _mm512_set1_ps(12582912.0f));
+    __m512 r = _mm512_fnmadd_ps(*n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(*n, _mm512_set1_ps(-2.12194440e-4f), r);
     __m512 p = _mm512_set1_ps(1.9875691500e-4f);
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+}
+
+/* e^x in 16 lanes, exp_f32's recipe (its clamps, Cody-Waite reduction and polynomial, with fused multiply-adds,
+ * the power of two in two halves): the tiles' softmax, a function of x alone. */
+INLINE __m512 exp16_ps(__m512 x) {
+    const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.8f));
+    __m512 n;
+    __m512 y = exp16_reduced(xc, &n);
     const __m512i ni = _mm512_cvtps_epi32(n), n1 = _mm512_srai_epi32(ni, 1), n2 = _mm512_sub_epi32(ni, n1);
     const __m512i b127 = _mm512_set1_epi32(127);
     y = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, b127), 23))),
@@ -1056,17 +1062,8 @@ static const uint16_t attn_zero_row[32 * MAX_NC] __attribute__((aligned(64)));
  * and -inf), NaN kept. */
 INLINE __m512 exp16_le0_ps(__m512 x) {
     const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f)),
-                                   _mm512_set1_ps(12582912.0f));
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    __m512 n;
+    __m512 y = exp16_reduced(xc, &n);
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
     y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), y, _mm512_setzero_ps());
@@ -1307,7 +1304,6 @@ INLINE int attn_bf16_path(int64_t D, int64_t group) {
     return ATTN_DP;
 }
 
-int izh_attention_bf16_on_tiles(int64_t d, int64_t group) { return attn_bf16_tiles(d, group); }
 int izh_attention_bf16_path(int64_t d, int64_t group) { return attn_bf16_path(d, group); }
 
 /* Per dtype, one non-inlined item function (keeps the compile time down): head sizes 64 and 128 get
