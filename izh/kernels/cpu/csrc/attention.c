@@ -761,6 +761,22 @@ INLINE int attn_amx_fits(int64_t D, int64_t group) { return D % 32 == 0 && D <= 
 
 #define ATTN_AMX_ROWS 64 /* rows an attn_items_amx item: 4 tiles of 16 */
 
+/* The K and V rows of the 32 positions S + p0 .. (up to S + Lmax) of KV head g (row_ptrs: past the end the
+ * pointers are not set), and the rows ATTN_L2_AHEAD positions on prefetched into L2: a 32-position block of
+ * the tiles' and vdpbf16ps's items. */
+INLINE void attn_block_rows(const void **kr, const void **vr, const void *kc, const void *vc, const int32_t *blocks,
+                            int64_t S, int64_t p0, int64_t Lmax, int64_t block_size, int64_t kvh, int64_t g,
+                            int64_t rb) {
+    row_ptrs(kr, kc, blocks, S + p0, S + Lmax, block_size, kvh, g, rb);
+    row_ptrs(kr + 16, kc, blocks, S + p0 + 16, S + Lmax, block_size, kvh, g, rb);
+    row_ptrs(vr, vc, blocks, S + p0, S + Lmax, block_size, kvh, g, rb);
+    row_ptrs(vr + 16, vc, blocks, S + p0 + 16, S + Lmax, block_size, kvh, g, rb);
+    for (int64_t a = 0; a < 32; a += 16) {
+        prefetch_rows_l2(kc, blocks, S + p0 + ATTN_L2_AHEAD + a, S + Lmax, block_size, kvh, g, rb);
+        prefetch_rows_l2(vc, blocks, S + p0 + ATTN_L2_AHEAD + a, S + Lmax, block_size, kvh, g, rb);
+    }
+}
+
 #if HAVE_QGEMM /* AVX-512 F/BW and BF16: the avx512 and amx builds */
 /* exp_f32's Cody-Waite reduction and polynomial in 16 lanes: e^xc = the result x 2^n (*n: xc log2(e) rounded). */
 INLINE __m512 exp16_reduced(__m512 xc, __m512 *n) {
@@ -888,14 +904,7 @@ static __attribute__((noinline)) void attn_items_amx(int64_t i0, int64_t R, int6
     for (int64_t p0 = 0; p0 < Lmax; p0 += 32) {
         const int64_t m = Lmax - p0 < 32 ? Lmax - p0 : 32;
         const void *kr[32], *vr[32];
-        row_ptrs(kr, kc, blocks, S + p0, S + Lmax, block_size, kvh, g, rb);
-        row_ptrs(kr + 16, kc, blocks, S + p0 + 16, S + Lmax, block_size, kvh, g, rb);
-        row_ptrs(vr, vc, blocks, S + p0, S + Lmax, block_size, kvh, g, rb);
-        row_ptrs(vr + 16, vc, blocks, S + p0 + 16, S + Lmax, block_size, kvh, g, rb);
-        for (int64_t a = 0; a < 32; a += 16) {
-            prefetch_rows_l2(kc, blocks, S + p0 + ATTN_L2_AHEAD + a, S + Lmax, block_size, kvh, g, rb);
-            prefetch_rows_l2(vc, blocks, S + p0 + ATTN_L2_AHEAD + a, S + Lmax, block_size, kvh, g, rb);
-        }
+        attn_block_rows(kr, vr, kc, vc, blocks, S, p0, Lmax, block_size, kvh, g, rb);
         /* K rows staged (zero past Lmax); V rows interleaved in pairs of positions: vst[k][2 d + e] */
         for (int64_t o = 0; o < 32; o++)
             for (int64_t c = 0; c < ks; c++)
@@ -1118,11 +1127,10 @@ INLINE void attn_dp_scores(const uint16_t *kst, const uint16_t *qt, float *sb, c
     }
 }
 
-INLINE __attribute__((always_inline)) void attn_items_dp_body(int64_t i0, int64_t R, int64_t g, const float *q,
-                                                              int64_t q_ts, int64_t q_hs, const void *kc, const void *vc,
-                                                              int64_t block_size, int64_t kvh, const int32_t *blocks,
-                                                              int64_t S, int64_t L0, float *out, int64_t H,
-                                                              const int64_t D, float scale, float softcap, float *buf) {
+INLINE void attn_items_dp_body(int64_t i0, int64_t R, int64_t g, const float *q, int64_t q_ts, int64_t q_hs,
+                               const void *kc, const void *vc, int64_t block_size, int64_t kvh, const int32_t *blocks,
+                               int64_t S, int64_t L0, float *out, int64_t H, const int64_t D, float scale,
+                               float softcap, float *buf) {
     const int64_t group = H / kvh, N = R * group, nrg = (N + 15) / 16, Lmax = L0 + R - 1;
     const int64_t ks = D / 32, dt = D / 16, rb = D * 2;
     /* accumulators a pass: up to 16 vectors (TB of a row's dt, RB rows) */
@@ -1163,15 +1171,8 @@ INLINE __attribute__((always_inline)) void attn_items_dp_body(int64_t i0, int64_
     for (int64_t p0 = 0; p0 < Lmax; p0 += 32) {
         const int64_t m = Lmax - p0 < 32 ? Lmax - p0 : 32;
         const void *kr[32], *vr[32];
-        row_ptrs(kr, kc, blocks, S + p0, S + Lmax, block_size, kvh, g, rb);
-        row_ptrs(kr + 16, kc, blocks, S + p0 + 16, S + Lmax, block_size, kvh, g, rb);
-        row_ptrs(vr, vc, blocks, S + p0, S + Lmax, block_size, kvh, g, rb);
-        row_ptrs(vr + 16, vc, blocks, S + p0 + 16, S + Lmax, block_size, kvh, g, rb);
+        attn_block_rows(kr, vr, kc, vc, blocks, S, p0, Lmax, block_size, kvh, g, rb);
         for (int64_t o = m; o < 32; o++) kr[o] = vr[o] = attn_zero_row;
-        for (int64_t a = 0; a < 32; a += 16) {
-            prefetch_rows_l2(kc, blocks, S + p0 + ATTN_L2_AHEAD + a, S + Lmax, block_size, kvh, g, rb);
-            prefetch_rows_l2(vc, blocks, S + p0 + ATTN_L2_AHEAD + a, S + Lmax, block_size, kvh, g, rb);
-        }
         /* K rows staged (one base address for the broadcasts); V rows interleaved in pairs of positions:
          * vst[k][2 d + e] = V[p0 + 2 k + e][d] */
         for (int64_t o = 0; o < 32; o++)
