@@ -1035,13 +1035,9 @@ static __attribute__((noinline)) void attn_items_amx(int64_t i0, int64_t R, int6
 #define ATTN_AMX_SCRATCH(D)                                                                                 \
     (16 + 1024 + ATTN_AMX_ROWS * (32 + 1 + 16) + 4 * ((D) / 16) * 256 + 4 * ((D) / 32) * 256 + 32 * (D) +   \
      ATTN_AMX_ROWS * 16 + 64)
-#define ATTN_AMX_ITEM                                                                                        \
-    attn_items_amx(i, 1, g, (const float *)q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, (float *)out, H, d, \
-                   scale, softcap, buf);
 #else
 #define ATTN_AMX 0
 #define ATTN_AMX_SCRATCH(D) 0
-#define ATTN_AMX_ITEM (void)0;
 #endif
 
 #if HAVE_QGEMM
@@ -1282,13 +1278,29 @@ static __attribute__((noinline)) void attn_items_dp(int64_t i0, int64_t R, int64
  * accumulators, q^T in pairs, the V pairs and the staged K rows */
 #define ATTN_DP_SCRATCH(D)                                                                                   \
     (16 + ATTN_AMX_ROWS * 32 + 256 + 2 * ATTN_AMX_ROWS + ATTN_AMX_ROWS * (D) + 4 * ((D) / 32) * 256 + 32 * (D))
-#define ATTN_DP_ITEM                                                                                         \
-    attn_items_dp(i, 1, g, (const float *)q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, (float *)out, H, d, \
-                  scale, softcap, buf);
+
+/* Rows i0 .. i0+R-1 of KV head g over a bfloat16 cache on the kernel attn_bf16_path chose: 2 the AMX tiles
+ * (attn_items_amx), 1 vdpbf16ps (attn_items_dp). A decode's item (R = 1) and a prefill run's both come here. */
+static void attn_items_bf16(int path, int64_t i0, int64_t R, int64_t g, const float *q, int64_t q_ts, int64_t q_hs,
+                            const void *kc, const void *vc, int64_t block_size, int64_t kvh, const int32_t *blocks,
+                            int64_t S, int64_t L0, float *out, int64_t H, int64_t d, float scale, float softcap,
+                            float *buf) {
+#if ATTN_AMX
+    if (path == 2) {
+        attn_items_amx(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L0, out, H, d, scale, softcap, buf);
+        return;
+    }
+#endif
+    (void)path;
+    attn_items_dp(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L0, out, H, d, scale, softcap, buf);
+}
+#define ATTN_BF16_ITEM(P)                                                                                    \
+    attn_items_bf16(P, i, 1, g, (const float *)q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, (float *)out, H, \
+                    d, scale, softcap, buf);
 #else
 #define ATTN_DP 0
 #define ATTN_DP_SCRATCH(D) 0
-#define ATTN_DP_ITEM (void)0;
+#define ATTN_BF16_ITEM(P) (void)(P);
 #endif
 
 /* 1 when a bfloat16 cache under float32 activations runs on the AMX tiles (attn_items_amx) for head size D and
@@ -1335,10 +1347,9 @@ int izh_attention_bf16_path(int64_t d, int64_t group) { return attn_bf16_path(d,
         const int64_t i = it / kvh, g = it % kvh, S = window_start(seq_lens[i], window), L = seq_lens[i] - S; \
         const int32_t *blocks = bt + (row_seq ? row_seq[i] : i) * max_blocks;                               \
         const int64_t rb = (BF) ? d * 2 : d * 4;                                                             \
-        if (!(BF) && kt == KV_BF16 && attn_bf16_tiles(d, H / kvh))                                          \
-            ATTN_AMX_ITEM                                                                                    \
-        else if (!(BF) && kt == KV_BF16 && attn_bf16_path(d, H / kvh) == 1)                                 \
-            ATTN_DP_ITEM                                                                                     \
+        const int bf16_path = !(BF) && kt == KV_BF16 ? attn_bf16_path(d, H / kvh) : 0;                     \
+        if (bf16_path)                                                                                       \
+            ATTN_BF16_ITEM(bf16_path)                                                                        \
         else if (kt != ((BF) ? KV_BF16 : KV_F32))                                                            \
             attn_item_conv_##SFX(i, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, L, out, H, d, scale,  \
                                  softcap, buf, kt, kv_row_bytes(kt, d));                                     \
@@ -1490,16 +1501,9 @@ static int attn_prefill_f32(const float *q, int64_t q_ts, int64_t q_hs, const vo
                 }
                 const int32_t *blocks = block_tables + row_seq[i0] * max_blocks;
 #if ATTN_DP
-                if (bf16_path == 1) {
-                    attn_items_dp(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, seq_lens[i0] - S, out, H,
-                                  d, scale, softcap, buf);
-                    continue;
-                }
-#endif
-#if ATTN_AMX
-                if (bf16_path == 2) {
-                    attn_items_amx(i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S, seq_lens[i0] - S, out, H,
-                                   d, scale, softcap, buf);
+                if (bf16_path) {
+                    attn_items_bf16(bf16_path, i0, R, g, q, q_ts, q_hs, kc, vc, block_size, kvh, blocks, S,
+                                    seq_lens[i0] - S, out, H, d, scale, softcap, buf);
                     continue;
                 }
 #endif
