@@ -223,8 +223,6 @@ class StreamRecorder:
 
 
 STREAMS_PER_CLIENT = 16
-STALE_RETRIES = 3
-"""Times a request is sent again after a kept-alive connection closed without an answer."""
 
 
 def make_clients(
@@ -265,9 +263,25 @@ class Runner:
         self._records: list[RequestRecord] = []
         self._texts: dict[int, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._fresh: dict[int, httpx.AsyncClient] = {}
+
+    def _fresh_client(self, client: httpx.AsyncClient) -> httpx.AsyncClient:
+        """A client like ``client`` that keeps no connection alive: every send goes on a new connection."""
+        fresh = self._fresh.get(id(client))
+        if fresh is None:
+            limits = httpx.Limits(max_keepalive_connections=0)
+            fresh = httpx.AsyncClient(headers=client.headers, timeout=client.timeout, limits=limits)
+            self._fresh[id(client)] = fresh
+        return fresh
 
     async def run(self, stop: asyncio.Event | None = None) -> RunOutcome:
-        stop = stop or asyncio.Event()
+        try:
+            return await self._run(stop or asyncio.Event())
+        finally:
+            fresh, self._fresh = list(self._fresh.values()), {}
+            await asyncio.gather(*(client.aclose() for client in fresh), return_exceptions=True)
+
+    async def _run(self, stop: asyncio.Event) -> RunOutcome:
         self.started_at = time.perf_counter()
         dispatcher = asyncio.create_task(self._dispatch())
         stopper = asyncio.create_task(stop.wait())
@@ -335,18 +349,18 @@ class Runner:
         start = time.perf_counter()
         record.start_s = start - self.started_at
         try:
-            for attempt in itertools.count():
-                try:
-                    text, usage_seen = await self._stream(client, record, payload, start)
-                    break
-                except httpx.RemoteProtocolError:
-                    # A kept-alive connection that the server closed without answering: llama-server
-                    # closes one after each stream without saying so, and the next request sent on it
-                    # fails before any byte comes back. Nothing reached the server's model, so the
-                    # request goes again on another connection (the broken one has left the pool).
-                    if record.num_chunks or record.ttft_s is not None or attempt >= STALE_RETRIES:
-                        raise
-                    counters.retried += 1
+            try:
+                text, usage_seen = await self._stream(client, record, payload, start)
+            except httpx.RemoteProtocolError:
+                # A kept-alive connection that the server closed without answering: llama-server
+                # closes one after each stream without saying so, and the next request sent on it
+                # fails before any byte comes back. Nothing reached the server's model, so the
+                # request goes again, once, on a new connection (which no server has had time to
+                # close); another pooled one could be just as stale.
+                if record.num_chunks or record.ttft_s is not None:
+                    raise
+                counters.retried += 1
+                text, usage_seen = await self._stream(self._fresh_client(client), record, payload, start)
             if record.ok and not usage_seen:
                 self._texts[index] = text
         except asyncio.CancelledError:

@@ -546,13 +546,17 @@ def test_ctrl_c_prints_partial_results_and_exits_130(tmp_path: Path) -> None:
     assert doc["runs"][0]["metrics"]["failed"] == 0
 
 
-def _one_stream_per_connection_server() -> tuple[str, socket.socket, threading.Thread, list[int]]:
+def _one_stream_per_connection_server(
+    answer: bool = True,
+) -> tuple[str, socket.socket, list[int], list[int]]:
     """A raw HTTP/1.1 server that acts like llama-server after a stream: it answers the first request on a
     connection (an SSE completion, kept alive: no ``Connection: close``) and closes the connection without
-    answering when a second request arrives on it. ``answered`` counts the streams it sent."""
+    answering when a second request arrives on it (with ``answer=False``, the first one too). ``answered``
+    counts the streams it sent, ``dropped`` the requests it read and left unanswered."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(20)
     answered: list[int] = []
+    dropped: list[int] = []
     chunk = json.dumps({"choices": [{"index": 0, "text": "tok ", "finish_reason": None}]})
     usage = json.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
     events = f"data: {chunk}\n\ndata: {chunk}\n\ndata: {usage}\n\ndata: [DONE]\n\n".encode()
@@ -578,11 +582,17 @@ def _one_stream_per_connection_server() -> tuple[str, socket.socket, threading.T
         return True
 
     def handle(conn: socket.socket) -> None:
+        # Counted before the send or the close: the client may finish before this thread runs again.
         with conn:
-            if read_request(conn):
-                answered.append(1)  # before the send: the client may finish before this thread runs again
-                conn.sendall(response)
-                read_request(conn)  # the next request on this connection: dropped unanswered
+            if not read_request(conn):
+                return
+            if not answer:
+                dropped.append(1)
+                return
+            answered.append(1)
+            conn.sendall(response)
+            if read_request(conn):  # the next request on this connection: dropped unanswered
+                dropped.append(1)
 
     def serve() -> None:
         with contextlib.suppress(OSError):
@@ -593,13 +603,10 @@ def _one_stream_per_connection_server() -> tuple[str, socket.socket, threading.T
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     host, port = listener.getsockname()
-    return f"http://{host}:{port}", listener, thread, answered
+    return f"http://{host}:{port}", listener, answered, dropped
 
 
-@pytest.mark.parametrize("concurrency", [1, 3])
-def test_a_kept_alive_connection_closed_unanswered_is_retried_not_failed(concurrency: int) -> None:
-    url, listener, _thread, answered = _one_stream_per_connection_server()
-
+def _run_against(url: str, concurrency: int) -> Any:
     async def main() -> Any:
         config = RunConfig(
             url=f"{url}/v1/completions",
@@ -611,12 +618,35 @@ def test_a_kept_alive_connection_closed_unanswered_is_retried_not_failed(concurr
         async with httpx.AsyncClient() as client:
             return await Runner(client, config, [Sample("hello", 3, 2)]).run()
 
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_a_kept_alive_connection_closed_unanswered_is_retried_not_failed(concurrency: int) -> None:
+    url, listener, answered, dropped = _one_stream_per_connection_server()
     try:
-        outcome = asyncio.run(main())
+        outcome = _run_against(url, concurrency)
     finally:
         listener.close()
     assert [r.error for r in outcome.records] == [None] * 8
     assert all(r.ok and r.output_tokens == 2 for r in outcome.records)
     assert len(answered) == 8
-    # Every request after a connection's first was sent on a kept-alive one that the server then dropped.
-    assert outcome.retried >= 8 - concurrency
+    # Every request the server dropped went again, once, on a new connection; the first on a kept-alive
+    # one that the server then dropped, which happens at least every other request.
+    assert outcome.retried == len(dropped) >= 8 // 2 - concurrency
+
+
+def test_a_request_dropped_on_a_new_connection_too_fails() -> None:
+    """The retry is one send on a new connection: a server that drops that too fails the request (counted
+    once as retried), and the run goes on to the next."""
+    url, listener, answered, dropped = _one_stream_per_connection_server(answer=False)
+    try:
+        outcome = _run_against(url, 2)
+    finally:
+        listener.close()
+    assert [r.error for r in outcome.records] == [
+        "RemoteProtocolError: Server disconnected without sending a response."
+    ] * 8
+    assert not answered
+    assert outcome.retried == 8
+    assert len(dropped) == 16
