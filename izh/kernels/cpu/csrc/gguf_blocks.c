@@ -653,32 +653,38 @@ INLINE void gq_interleave8(const gq_block *blk, int at, __m256i *W) {
     }
 }
 
+/* The 4 bytes at p in every 32-bit lane: one load (vbroadcastss), where a copy to the stack and vpbroadcastd from it
+ * stalled on the store. */
+INLINE __m256i gq_bcast4(const int8_t *p) {
+    float f;
+    memcpy(&f, p, 4);
+    return _mm256_castps_si256(_mm256_set1_ps(f));
+}
+
 /* Lane i: row i's 32 codes (W, gq_interleave8's) . the block's 32 activations q. With VNNI the codes are unsigned
  * (shifted: 0..255). Without, codes 0..31: the pairs of 4 words are summed in 16 bits first (|pair| <= 2 * 31 *
  * 127, four of them <= 31496); signed codes (A: their magnitudes) take q with their signs, a word at a time. */
 INLINE __m256i gq_dot_il(const __m256i *W, const __m256i *A, const int8_t *q) {
-    int32_t x4[8];
-    memcpy(x4, q, 32);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     (void)A;
     __m256i t = _mm256_setzero_si256();
-    for (int j = 0; j < 8; j++) t = _mm256_dpbusd_epi32(t, W[j], _mm256_set1_epi32(x4[j]));
+    for (int j = 0; j < 8; j++) t = _mm256_dpbusd_epi32(t, W[j], gq_bcast4(q + 4 * j));
     return t;
 #else
     const __m256i ones = _mm256_set1_epi16(1);
     if (A) {
         __m256i t = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
-            const __m256i sq = _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), W[j]);
+            const __m256i sq = _mm256_sign_epi8(gq_bcast4(q + 4 * j), W[j]);
             t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(A[j], sq), ones));
         }
         return t;
     }
-    __m256i lo = _mm256_maddubs_epi16(W[0], _mm256_set1_epi32(x4[0]));
-    __m256i hi = _mm256_maddubs_epi16(W[4], _mm256_set1_epi32(x4[4]));
+    __m256i lo = _mm256_maddubs_epi16(W[0], gq_bcast4(q));
+    __m256i hi = _mm256_maddubs_epi16(W[4], gq_bcast4(q + 16));
     for (int j = 1; j < 4; j++) {
-        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(W[j], _mm256_set1_epi32(x4[j])));
-        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(W[4 + j], _mm256_set1_epi32(x4[4 + j])));
+        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(W[j], gq_bcast4(q + 4 * j)));
+        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(W[4 + j], gq_bcast4(q + 16 + 4 * j)));
     }
     return _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
 #endif
@@ -729,9 +735,9 @@ INLINE __m256i gq_sums8(const gq_block *blk, __m256i sv[8][8], const int8_t *q, 
  * avx512; 1.1-1.2x at 4 rows, amx). From GQ_IL_MIN_ROWS rows the 32-input codes are interleaved (gq_interleave8),
  * so that the sums land in their output's lane (a 32-row step of that model in the AVX2 build 1.24x). The same
  * integers either way, so the same bits. bench_results/README.md. */
-INLINE void gq_rows8(const int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t m0, int64_t m1,
-                     int64_t K, const int8_t *xq, const float *dx, const float *ex, const int32_t *qs16, float *out,
-                     int64_t os) {
+INLINE void gq_rows8(const int type, const int il_rows, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t m0,
+                     int64_t m1, int64_t K, const int8_t *xq, const float *dx, const float *ex, const int32_t *qs16,
+                     float *out, int64_t os) {
     int bytes, mk;
     const int bs = gq_info(type, &bytes, &mk);
     const int nr = bs / 32;
@@ -744,11 +750,11 @@ INLINE void gq_rows8(const int type, const uint8_t *w, int64_t row_bytes, int64_
     const int small_off = type == GQ_Q4_0 ? 8 : type == GQ_Q5_0 ? 16 : 0;
     __m256i W[8], A[8];
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    const int il = bs == 32 && !small && m1 - m0 >= GQ_IL_MIN_ROWS;
+    const int il = il_rows && bs == 32 && !small;
     const int uns = small || il; /* vpdpbusd on unsigned codes: signed ones + 128 */
     const int off = small ? small_off : il ? 128 : 0;
 #else
-    const int il = bs == 32 && m1 - m0 >= GQ_IL_MIN_ROWS;
+    const int il = il_rows && bs == 32;
     const int uns = il && small; /* not below: vpmaddubsw + vpmaddwd on shifted codes measured no faster */
     const int off = uns ? small_off : 0;
 #endif
@@ -857,13 +863,12 @@ INLINE void gq_rows8_q4k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int
         }
         const __m256 dwv = _mm256_loadu_ps(dw), mwv = _mm256_loadu_ps(mw);
         for (int64_t m = m0; m < m1; m++) {
-            int32_t x4[64];
-            memcpy(x4, xq + m * K + b * 256, 256);
+            const int8_t *q = xq + m * K + b * 256;
             const int32_t *s16q = qs16 + m * (K / 16) + b * 16;
             __m256i isum = _mm256_setzero_si256(), msum = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) {
-                __m256i s = _mm256_maddubs_epi16(W[j][0], _mm256_set1_epi32(x4[8 * j]));
-                for (int v = 1; v < 8; v++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(W[j][v], _mm256_set1_epi32(x4[8 * j + v])));
+                __m256i s = _mm256_maddubs_epi16(W[j][0], gq_bcast4(q + 32 * j));
+                for (int v = 1; v < 8; v++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(W[j][v], gq_bcast4(q + 32 * j + 4 * v)));
                 isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s, SC[j]));
             }
             for (int h = 0; h < 4; h++) {
@@ -879,14 +884,105 @@ INLINE void gq_rows8_q4k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int
     gq_store8(acc, m0, m1, out, os, n0);
 }
 
+/* Activation rows from which Q6_K matmuls take gq_rows8_q6k_il in the AVX2 build (gq_rows8_k below, which
+ * unpacks the codes again for each row, and gq_rows8 past GQ_Q6K_DIRECT_ROWS before this); never in the VNNI
+ * builds, whose vpdpbusd serves gq_rows8's decoded codes without interleaving. bench_results/README.md. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define GQ_IL_Q6K_MIN_ROWS 0 /* never */
+#else
+#define GQ_IL_Q6K_MIN_ROWS 7
+#endif
+
+/* Output rows [n0, n0 + 8) of a Q6_K weight for activation rows [m0, m1): gq_rows8's integers and epilogue with the
+ * codes u = c + 32 (0..63) unpacked once per block as gq_decode does and interleaved per 32 inputs
+ * (gq_interleave8), so that the sums land in their output's lane. A 16-input sub-block's four vpmaddubsw are summed
+ * in pairs in 16 bits (|two pairs| <= 2 * 2 * 63 * 127 = 32004), each by vpmaddwd with the sub-block's scale held in
+ * both 16-bit halves of each row's lane; 32 * sum_j s[j] * qs16[j] (vpmaddwd of the rows' pairs of scales against
+ * qs16's, |qs16| <= 16 * 127) is subtracted, so isum = sum_j s[j] * (c . q over sub-block j): the same integers, so
+ * the same bits. */
+INLINE void gq_rows8_q6k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t m0, int64_t m1, int64_t K,
+                            const int8_t *xq, const float *dx, const int32_t *qs16, float *out, int64_t os) {
+    const int64_t blocks = K / 256;
+    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    __m256 acc[GQ_MC];
+    for (int64_t m = m0; m < m1; m++) acc[m - m0] = _mm256_setzero_ps();
+    const char *next = (const char *)(w + (n0 + 8) * row_bytes);
+    const int64_t slice = (8 * row_bytes / blocks + 63) & ~(int64_t)63;
+    gq_block codes[8]; /* row i's 256 codes u in input order (only .c is used) */
+    __m256i W[8][8];   /* 32 inputs g, word v: lane i holds row i's inputs 32 g + 4 v .. 32 g + 4 v + 3 */
+    __m256i SC[16], SP[8];
+    for (int64_t b = 0; b < blocks; b++) {
+        gq_prefetch_slice(next, b, slice);
+        float dw[8];
+        int16_t sc[16][8]; /* [sub-block][row] */
+        for (int i = 0; i < 8; i++) {
+            const uint8_t *p = w + (n0 + i) * row_bytes + b * 210;
+            dw[i] = gq_f16(p + 208);
+            for (int j = 0; j < 16; j++) sc[j][i] = (int8_t)p[192 + j];
+            for (int half = 0; half < 2; half++) { /* gq_decode's Q6_K unpacking, without its - 32 */
+                const __m256i a = _mm256_loadu_si256((const __m256i *)(p + 64 * half));
+                const __m256i bb = _mm256_loadu_si256((const __m256i *)(p + 64 * half + 32));
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * half));
+                const __m256i u[4] = {
+                    _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4)),
+                    _mm256_or_si256(_mm256_and_si256(bb, m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bb, 4), m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4))};
+                for (int j = 0; j < 4; j++) _mm256_store_si256((__m256i *)(codes[i].c + 128 * half + 32 * j), u[j]);
+            }
+        }
+        for (int g = 0; g < 8; g++) gq_interleave8(codes, 32 * g, W[g]);
+        for (int j = 0; j < 16; j++) {
+            int32_t s2[8];
+            for (int i = 0; i < 8; i++) s2[i] = (int32_t)(uint16_t)sc[j][i] * 0x10001;
+            SC[j] = _mm256_loadu_si256((const __m256i *)s2);
+        }
+        for (int h = 0; h < 8; h++) {
+            int32_t p2[8];
+            for (int i = 0; i < 8; i++) p2[i] = (int32_t)((uint32_t)(uint16_t)sc[2 * h][i] | ((uint32_t)(uint16_t)sc[2 * h + 1][i] << 16));
+            SP[h] = _mm256_loadu_si256((const __m256i *)p2);
+        }
+        const __m256 dwv = _mm256_loadu_ps(dw);
+        for (int64_t m = m0; m < m1; m++) {
+            const int8_t *q = xq + m * K + b * 256;
+            const int32_t *s16q = qs16 + m * (K / 16) + b * 16;
+            __m256i isum = _mm256_setzero_si256(), corr = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++)
+                for (int v = 0; v < 8; v += 2) {
+                    const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(W[g][v], gq_bcast4(q + 32 * g + 4 * v)),
+                                                       _mm256_maddubs_epi16(W[g][v + 1], gq_bcast4(q + 32 * g + 4 * v + 4)));
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(t, SC[2 * g + v / 4]));
+                }
+            for (int h = 0; h < 8; h++) {
+                const uint32_t qq = (uint32_t)(uint16_t)s16q[2 * h] | ((uint32_t)(uint16_t)s16q[2 * h + 1] << 16);
+                corr = _mm256_add_epi32(corr, _mm256_madd_epi16(SP[h], _mm256_set1_epi32((int32_t)qq)));
+            }
+            isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(corr, 5));
+            acc[m - m0] = gq_epilogue8(acc[m - m0], isum, dwv, _mm256_set1_ps(dx[m * blocks + b]));
+        }
+    }
+    gq_store8(acc, m0, m1, out, os, n0);
+}
+
+#define GQ_SMALL(T) (T == GQ_Q4_0 || T == GQ_Q5_0 || T == GQ_Q4_1 || T == GQ_Q5_1)
 #define GQ_ROWS(T)                                                                                            \
     do {                                                                                                      \
         int64_t n = n0;                                                                                       \
         if (T == GQ_Q4_K && GQ_IL_Q4K_MIN_ROWS && m1 - m0 >= GQ_IL_Q4K_MIN_ROWS)                              \
             for (; n + 8 <= n1; n += 8) gq_rows8_q4k_il(w, row_bytes, n, m0, m1, K, xq, dx, qs16, out, os);    \
+        if (T == GQ_Q6_K && GQ_IL_Q6K_MIN_ROWS && m1 - m0 >= GQ_IL_Q6K_MIN_ROWS)                              \
+            for (; n + 8 <= n1; n += 8) gq_rows8_q6k_il(w, row_bytes, n, m0, m1, K, xq, dx, qs16, out, os);    \
         if (T == GQ_Q4_K || T == GQ_Q5_K || (T == GQ_Q6_K && m1 - m0 <= GQ_Q6K_DIRECT_ROWS))                   \
             for (; n + 8 <= n1; n += 8) gq_rows8_k(T, w, row_bytes, n, m0, m1, K, xq, dx, qs16, out, os);     \
-        for (; n + 8 <= n1; n += 8) gq_rows8(T, w, row_bytes, n, m0, m1, K, xq, dx, ex, qs16, out, os);       \
+        const int il_rows = m1 - m0 >= GQ_IL_MIN_ROWS;                                                        \
+        if (GQ_SMALL(T) && il_rows) /* a copy of its own: measured faster both ways for these types, slower */ \
+            for (; n + 8 <= n1; n += 8) /* at 1 row for Q8_0 (gcc's register allocation) */                   \
+                gq_rows8(T, 1, w, row_bytes, n, m0, m1, K, xq, dx, ex, qs16, out, os);                          \
+        for (; n + 8 <= n1; n += 8)                                                                           \
+            gq_rows8(T, !GQ_SMALL(T) && il_rows, w, row_bytes, n, m0, m1, K, xq, dx, ex, qs16, out, os);         \
         if (n < n1) gq_rows(T, w, row_bytes, n, n1, m0, m1, K, xq, dx, ex, qs16, out, os);                  \
     } while (0)
 #elif GQ_NEON
@@ -900,8 +996,29 @@ INLINE void gq_rows8_q4k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int
 #define GQ_ROWS(T) gq_rows(T, w, row_bytes, n0, n1, m0, m1, K, xq, dx, ex, qs16, out, os)
 #endif
 
+/* One function per type, each compiled on its own: inlined into one switch, every type's loops shared one stack
+ * frame and one register allocation, and a change to one type's kernel moved another's speed (Q8_0 at 1 row
+ * lost 10% to Q6_K's interleaved kernel beside it). */
+#define GQ_TYPE_FN(T)                                                                                         \
+    static __attribute__((noinline)) void gq_rows_##T(const uint8_t *w, int64_t row_bytes, int64_t n0,        \
+                                                      int64_t n1, int64_t m0, int64_t m1, int64_t K,          \
+                                                      const int8_t *xq, const float *dx, const float *ex,     \
+                                                      const int32_t *qs16, float *out, int64_t os) {          \
+        GQ_ROWS(T);                                                                                           \
+    }
+GQ_TYPE_FN(GQ_Q4_0)
+GQ_TYPE_FN(GQ_Q4_1)
+GQ_TYPE_FN(GQ_Q5_0)
+GQ_TYPE_FN(GQ_Q5_1)
+GQ_TYPE_FN(GQ_Q8_0)
+GQ_TYPE_FN(GQ_IQ4_NL)
+GQ_TYPE_FN(GQ_Q4_K)
+GQ_TYPE_FN(GQ_Q5_K)
+GQ_TYPE_FN(GQ_Q6_K)
+GQ_TYPE_FN(GQ_IQ4_XS)
+
 #define GQ_CASE(T)                                                                                            \
-    case T: GQ_ROWS(T); break;
+    case T: gq_rows_##T(w, row_bytes, n0, n1, m0, m1, K, xq, dx, ex, qs16, out, os); break;
 
 static void gq_dispatch(int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t m0,
                         int64_t m1, int64_t K, const int8_t *xq, const float *dx, const float *ex,
