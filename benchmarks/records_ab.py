@@ -32,7 +32,7 @@ from izh.model.packed import quantize_q4_records, quantize_q8_records  # noqa: E
 _ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p]
 
 
-def _library(checkout: Path, variant: str, cache: Path) -> ctypes.CDLL:
+def library(checkout: Path, variant: str, cache: Path) -> ctypes.CDLL:
     """The checkout's kernel library for `variant`, built by the checkout's own compiler module."""
     code = (
         "from izh.kernels.cpu.compiler import build; "
@@ -44,10 +44,7 @@ def _library(checkout: Path, variant: str, cache: Path) -> ctypes.CDLL:
     path, _, error = run.stdout.strip().partition(" ")
     if run.returncode or not path:
         raise SystemExit(f"no {variant} library from {checkout}: {error or run.stderr[-2000:]}")
-    lib = ctypes.CDLL(path)
-    for name in ("izh_q4_gemm_f32", "izh_q8_gemm_f32"):
-        getattr(lib, name).argtypes = [*_ARGS, ctypes.c_int64, ctypes.c_int]
-    return lib
+    return ctypes.CDLL(path)
 
 
 def main() -> None:
@@ -61,9 +58,12 @@ def main() -> None:
     args = ap.parse_args()
 
     libs = {
-        "base": _library(Path(args.base).resolve(), args.variant, Path("/tmp/izh-records-ab/base")),
-        "this": _library(ROOT, args.variant, Path("/tmp/izh-records-ab/this")),
+        "base": library(Path(args.base).resolve(), args.variant, Path("/tmp/izh-records-ab/base")),
+        "this": library(ROOT, args.variant, Path("/tmp/izh-records-ab/this")),
     }
+    for lib in libs.values():
+        for name in ("izh_q4_gemm_f32", "izh_q8_gemm_f32"):
+            getattr(lib, name).argtypes = [*_ARGS, ctypes.c_int64, ctypes.c_int]
     torch.manual_seed(0)
     layers = [
         [quantize_q4_records(torch.randn(o, i) * 0.02).records for o, i in LAYER_SHAPES]

@@ -476,8 +476,8 @@ INLINE void gq_prefetch_slice(const char *next, int64_t b, int64_t slice) {
 
 /* Activation rows up to which Q6_K matmuls take gq_rows8_k (codes unpacked in registers, straight from the
  * file's bytes) rather than gq_rows8 (each block decoded once into a gq_block, then read for every row): the
- * unpacking is repeated per activation row, the decoding is not. Past 6 rows gq_rows8 is the faster in the AVX2
- * build, past 10 in the VNNI ones (one 1536 x 1536 matmul: 0.9x gq_rows8's time at 7-8 rows, equal at 12,
+ * unpacking is repeated per activation row, the decoding is not. Past 6 rows gq_rows8 was the faster in the AVX2
+ * build (which now takes gq_rows8_q6k_il from GQ_IL_Q6K_MIN_ROWS), past 10 in the VNNI ones (one 1536 x 1536 matmul: 0.9x gq_rows8's time at 7-8 rows, equal at 12,
  * 1.05x at 16; bench_results/README.md). Q4_K, whose unpacking is two instructions, takes gq_rows8_k rather
  * than gq_rows8 at any row count (0.6x its time at 1-64 rows), but for gq_rows8_q4k_il from
  * GQ_IL_Q4K_MIN_ROWS rows in the AVX2 build; so does Q5_K, whose fifth bit adds three (0.56x gq_rows8's time
@@ -885,8 +885,9 @@ INLINE void gq_rows8_q4k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int
 }
 
 /* Activation rows from which Q6_K matmuls take gq_rows8_q6k_il in the AVX2 build (gq_rows8_k below, which
- * unpacks the codes again for each row, and gq_rows8 past GQ_Q6K_DIRECT_ROWS before this); never in the VNNI
- * builds, whose vpdpbusd serves gq_rows8's decoded codes without interleaving. bench_results/README.md. */
+ * unpacks the codes again for each row; gq_rows8 took 7 rows and more before: one 896 x 4864 matmul of a real
+ * file 1.1x at 8 rows, 1.2x at 32 on a Zen 3); never in the VNNI builds, not measured there.
+ * bench_results/README.md. */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define GQ_IL_Q6K_MIN_ROWS 0 /* never */
 #else
