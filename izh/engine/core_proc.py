@@ -172,6 +172,12 @@ def _build_core(
         factory = _resolve_factory(core_factory)
         core: EngineCoreLike = factory(config)
     except Exception as exc:  # every startup failure must reach the frontend as Dead
+        exit_request = _system_exit_within(exc)
+        if exit_request is not None:
+            # A SIGTERM's SystemExit that Python wrapped on the way out (one raised in a class body's
+            # __set_name__ comes back as a RuntimeError): the core ends as the signal asked, as it
+            # does when the SystemExit arrives bare.
+            raise exit_request from exc
         reason = _one_line(exc)
         logger.error("EngineCore failed to start: %s", reason, exc_info=not isinstance(exc, IzhError))
         send(Dead(reason, error_code=exc.code if isinstance(exc, IzhError) else None))
@@ -201,6 +207,18 @@ def _build_core(
         ready.kv_tokens_per_gib,
     )
     return core
+
+
+def _system_exit_within(exc: BaseException) -> SystemExit | None:
+    """The SystemExit this exception was raised from or while handling, if any."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, SystemExit):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _resolve_factory(dotted: str) -> Callable[[EngineConfig], Any]:

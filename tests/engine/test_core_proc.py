@@ -325,6 +325,26 @@ def test_sigterm_at_any_moment_of_start_up_ends_the_core(tmp_path: Path) -> None
         ctx.destroy(linger=0)
 
 
+def interrupted_factory(config: EngineConfig) -> Any:
+    """A build that a SIGTERM interrupted in a class body: Python hands the SystemExit back wrapped."""
+    try:
+        raise SystemExit(143)
+    except SystemExit as exc:
+        raise RuntimeError("Error calling __set_name__ on 'Field' instance 'x' in 'Options'") from exc
+
+
+def test_a_sigterm_wrapped_by_python_during_the_build_still_ends_the_core(tmp_path: Path) -> None:
+    """The SystemExit is not swallowed as a start-up failure (a Dead, then exit code 0)."""
+    from izh.engine.core_proc import _build_core
+
+    sent: list[object] = []
+    factory = f"{__name__}:interrupted_factory"
+    with pytest.raises(SystemExit) as raised:
+        _build_core(EngineConfig(model=model_dir(tmp_path)), factory, sent.append)
+    assert raised.value.code == 143
+    assert sent == []
+
+
 def test_a_step_longer_than_the_heartbeat_timeout_is_not_a_hung_core(tmp_path: Path) -> None:
     """Each step takes 1 s, the heartbeat timeout is 0.3 s: the core's input thread answers the pings
     during the steps, so the request finishes and the core lives."""
