@@ -130,6 +130,16 @@ INLINE __m256i gq_iq4nl32(__m256i nib) {
     return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)gq_iq4nl)), nib);
 }
 
+/* The 32 codes 0..31 of a Q5_0 / Q5_1 block: byte j is the nibble j (low, then high) | bit j of h as bit 4
+ * (llama.cpp's bytes_from_bits_32). */
+INLINE __m256i gq_codes5(uint32_t h, const uint8_t *qs) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int32_t)h), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bit =
+        _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
+    return _mm256_or_si256(gq_nibbles32(qs), _mm256_and_si256(bit, _mm256_set1_epi8(16)));
+}
+
 /* Bit `bit` of each byte of h, moved to bit 4: the fifth bit of Q5_K's codes from qh. */
 INLINE __m256i gq_bit4(__m256i h, int bit) {
     return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(bit)), _mm256_set1_epi8(1)), 4);
@@ -189,15 +199,8 @@ INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
         b->mw = f ? gq_f16(p + 2) : 0.0f;
         const int off = f ? 0 : 16;
 #if defined(__AVX2__)
-        {   /* byte j: bit j of h (llama.cpp's bytes_from_bits_32), | the nibble j (low, then high) */
-            const __m256i spread = _mm256_shuffle_epi8(
-                _mm256_set1_epi32((int32_t)h),
-                _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-            const __m256i bit = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
-                                                  _mm256_set1_epi64x(-1));
-            const __m256i nib = gq_nibbles32(qs);
-            const __m256i v = _mm256_or_si256(nib, _mm256_and_si256(bit, _mm256_set1_epi8(16)));
-            _mm256_store_si256((__m256i *)c, _mm256_sub_epi8(v, _mm256_set1_epi8((char)off)));
+        {
+            _mm256_store_si256((__m256i *)c, _mm256_sub_epi8(gq_codes5(h, qs), _mm256_set1_epi8((char)off)));
             b->s[0] = b->s[1] = 1;
             break;
         }
@@ -809,6 +812,111 @@ INLINE void gq_rows8(const int type, const int il_rows, const uint8_t *w, int64_
     gq_store8(acc, m0, m1, out, os, n0);
 }
 
+/* Activation rows up to which the AVX2 build takes the 32-input formats through gq_rows8_direct rather than gq_rows8
+ * (from GQ_IL_MIN_ROWS its interleaved codes): the small formats to 3 rows, Q8_0 and IQ4_NL to 6. Every linear
+ * weight of Qwen2.5-Coder-0.5B Q4_K_M in turn on a Zen 3, 2 threads (gguf_blocks_ab.py --sweep): Q5_0 1.22x at 1
+ * row, 1.19x at 3, 0.90x at 4; Q8_0 1.86x at 1, 1.21x at 6, 1.03x at 8 (bench_results/README.md); IQ4_NL, signed
+ * too, as Q8_0 (not measured: no such file here). Never in the VNNI builds, whose gq_rows8 takes the small formats' shifted codes with one vpdpbusd a row (not measured there). */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define GQ_DIRECT_SMALL_ROWS 0
+#define GQ_DIRECT_SIGNED_ROWS 0
+#else
+#define GQ_DIRECT_SMALL_ROWS 3
+#define GQ_DIRECT_SIGNED_ROWS 6
+#endif
+
+/* The 32 codes of the 32-input block at p as gq_decode gives them, in a register: Q4_0 and Q5_0 plus their
+ * offsets (8, 16), so that every small format's codes are unsigned (0..31); Q8_0's and IQ4_NL's signed. */
+INLINE __m256i gq_codes32(const int type, const uint8_t *p) {
+    uint32_t h;
+    switch (type) {
+    case GQ_Q4_0:
+    case GQ_IQ4_NL: {
+        const __m256i nib = gq_nibbles32(p + 2);
+        return type == GQ_Q4_0 ? nib : gq_iq4nl32(nib);
+    }
+    case GQ_Q4_1: return gq_nibbles32(p + 4);
+    case GQ_Q5_0:
+        memcpy(&h, p + 2, 4);
+        return gq_codes5(h, p + 6);
+    case GQ_Q5_1:
+        memcpy(&h, p + 4, 4);
+        return gq_codes5(h, p + 8);
+    default: return _mm256_loadu_si256((const __m256i *)(p + 2)); /* Q8_0 */
+    }
+}
+
+/* The fp16 at p of 8 rows `stride` bytes apart, as floats (exactly, as gq_f16). */
+INLINE __m256 gq_f16x8(const uint8_t *p, int64_t stride) {
+    uint16_t v[8];
+    for (int i = 0; i < 8; i++) memcpy(&v[i], p + i * stride, 2);
+    return _mm256_cvtph_ps(_mm_setr_epi16((int16_t)v[0], (int16_t)v[1], (int16_t)v[2], (int16_t)v[3], (int16_t)v[4],
+                                          (int16_t)v[5], (int16_t)v[6], (int16_t)v[7]));
+}
+
+/* Output rows [n0, n0 + 8) of a 32-input format for a few activation rows [m0, m1): gq_rows8's integers and
+ * epilogue with each block's codes unpacked in registers from the file's bytes for each activation row (gq_rows8
+ * decodes them once into gq_blocks on the stack and reads them back per row: at 1 row the stores, the reloads and
+ * the scales gathered through memory cost more than the products). The small formats' codes plus their offset
+ * (unsigned) take q as it is: c . q = (c + off) . q - off * (the block's sum of q), as gq_rows8's shifted codes; Q8_0
+ * and IQ4_NL take |c| and q with c's sign. The same integers, so the same bits. */
+INLINE void gq_rows8_direct_n(const int type, const int nm, const uint8_t *w, int64_t row_bytes, int64_t n0,
+                              int64_t m0, int64_t K, const int8_t *xq, const float *dx, const float *ex,
+                              const int32_t *qs16, float *out, int64_t os) {
+    const int64_t m1 = m0 + nm;
+    int bytes, mk;
+    gq_info(type, &bytes, &mk);
+    const int64_t blocks = K / 32;
+    const int small = type == GQ_Q4_0 || type == GQ_Q5_0 || type == GQ_Q4_1 || type == GQ_Q5_1;
+    const int off = type == GQ_Q4_0 ? 8 : type == GQ_Q5_0 ? 16 : 0;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[6]; /* nm <= GQ_DIRECT_SIGNED_ROWS */
+    for (int64_t m = m0; m < m1; m++) acc[m - m0] = _mm256_setzero_ps();
+    const uint8_t *rows = w + n0 * row_bytes;
+    const char *next = (const char *)(rows + 8 * row_bytes);
+    const int64_t slice = (8 * row_bytes / blocks + 63) & ~(int64_t)63;
+    for (int64_t b = 0; b < blocks; b++) {
+        gq_prefetch_slice(next, b, slice);
+        const uint8_t *p = rows + b * bytes;
+        const __m256 dwv = gq_f16x8(p, row_bytes);
+        const __m256 mwv = mk == GQ_MIN_FLOAT ? gq_f16x8(p + 2, row_bytes) : _mm256_setzero_ps();
+        for (int64_t m = m0; m < m1; m++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(xq + m * K + b * 32));
+            __m256i t[8];
+            for (int i = 0; i < 8; i++) {
+                const __m256i c = gq_codes32(type, p + i * row_bytes);
+                const __m256i prod = small ? _mm256_maddubs_epi16(c, q)
+                                           : _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(q, c));
+                t[i] = _mm256_madd_epi16(prod, ones);
+            }
+            __m256i isum = gq_reduce8(t);
+            if (off) {
+                const int32_t *s16 = qs16 + m * (K / 16) + 2 * b;
+                isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(off * (s16[0] + s16[1])));
+            }
+            const int64_t g = m * blocks + b;
+            __m256 a = gq_epilogue8(acc[m - m0], isum, dwv, _mm256_set1_ps(dx[g]));
+            if (mk == GQ_MIN_FLOAT) a = _mm256_add_ps(a, _mm256_mul_ps(mwv, _mm256_set1_ps(ex[g])));
+            acc[m - m0] = a;
+        }
+    }
+    gq_store8(acc, m0, m1, out, os, n0);
+}
+
+/* gq_rows8_direct_n with the row count a constant: the accumulators stay in registers. */
+INLINE void gq_rows8_direct(const int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t m0, int64_t m1,
+                            int64_t K, const int8_t *xq, const float *dx, const float *ex, const int32_t *qs16,
+                            float *out, int64_t os) {
+    switch (m1 - m0) {
+    case 1: gq_rows8_direct_n(type, 1, w, row_bytes, n0, m0, K, xq, dx, ex, qs16, out, os); break;
+    case 2: gq_rows8_direct_n(type, 2, w, row_bytes, n0, m0, K, xq, dx, ex, qs16, out, os); break;
+    case 3: gq_rows8_direct_n(type, 3, w, row_bytes, n0, m0, K, xq, dx, ex, qs16, out, os); break;
+    case 4: gq_rows8_direct_n(type, 4, w, row_bytes, n0, m0, K, xq, dx, ex, qs16, out, os); break;
+    case 5: gq_rows8_direct_n(type, 5, w, row_bytes, n0, m0, K, xq, dx, ex, qs16, out, os); break;
+    default: gq_rows8_direct_n(type, 6, w, row_bytes, n0, m0, K, xq, dx, ex, qs16, out, os); break;
+    }
+}
+
 /* Activation rows from which Q4_K matmuls take gq_rows8_q4k_il rather than gq_rows8_k: in the AVX2 build from 8
  * (one 896 x 4864 matmul, one thread: 1.2x at 8 rows, 1.5x at 32-64, even at 4); the VNNI builds keep gq_rows8_k,
  * which measured about as fast there (bench_results/README.md; the amx build's tiles take Q4_K from 4 rows). */
@@ -978,6 +1086,8 @@ INLINE void gq_rows8_q6k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int
             for (; n + 8 <= n1; n += 8) gq_rows8_q6k_il(w, row_bytes, n, m0, m1, K, xq, dx, qs16, out, os);    \
         if (T == GQ_Q4_K || T == GQ_Q5_K || (T == GQ_Q6_K && m1 - m0 <= GQ_Q6K_DIRECT_ROWS))                   \
             for (; n + 8 <= n1; n += 8) gq_rows8_k(T, w, row_bytes, n, m0, m1, K, xq, dx, qs16, out, os);     \
+        if (m1 - m0 <= (GQ_SMALL(T) ? GQ_DIRECT_SMALL_ROWS : T == GQ_Q8_0 || T == GQ_IQ4_NL ? GQ_DIRECT_SIGNED_ROWS : 0)) \
+            for (; n + 8 <= n1; n += 8) gq_rows8_direct(T, w, row_bytes, n, m0, m1, K, xq, dx, ex, qs16, out, os); \
         const int il_rows = m1 - m0 >= GQ_IL_MIN_ROWS;                                                        \
         if (GQ_SMALL(T) && il_rows) /* a copy of its own: measured faster both ways for these types, slower */ \
             for (; n + 8 <= n1; n += 8) /* at 1 row for Q8_0 (gcc's register allocation) */                   \
