@@ -444,9 +444,13 @@ INLINE void gq_rows(const int type, const uint8_t *w, int64_t row_bytes, int64_t
 #if defined(__AVX2__)
 /* The 8 lanes' sums of 8 vectors, as one vector (lane i: the sum of v[i]'s lanes). */
 INLINE __m256i gq_reduce8(const __m256i *v) {
-    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+    /* a transpose by unpacks, summing at each level (vphaddd is several micro-ops on AMD's cores) */
+    __m256i p[4], q[2];
+    for (int i = 0; i < 4; i++) /* lanes: v[2i] 0+1, v[2i+1] 0+1, v[2i] 2+3, v[2i+1] 2+3 per 128-bit half */
+        p[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++) /* lanes: v[4i .. 4i+3]'s half sums per 128-bit half */
+        q[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(p[2 * i], p[2 * i + 1]), _mm256_unpackhi_epi64(p[2 * i], p[2 * i + 1]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q[0], q[1], 0x20), _mm256_permute2x128_si256(q[0], q[1], 0x31));
 }
 
 /* The recipe's float epilogue for the 8 outputs of a block, one per lane (the header's order, every operation
