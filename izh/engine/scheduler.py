@@ -26,11 +26,14 @@ step's is spent, so that every prompt progresses and a short prompt arriving dur
 back behind it; when nothing decodes there is no limit (a prompt alone goes as fast as the token budget
 allows).
 
-Prompts share the step: while a prompt is still being prefilled in chunks and another prompt is prefilling
-too or waiting to start, each running prompt's chunk takes at most an equal part of the token budget, so a
-short request arriving during a long prompt starts at the next step instead of waiting for the whole long
-prompt (on a CPU a 32,000-token prompt takes minutes), and two long prompts advance together. Decodes are not
-capped.
+Prompts in the step: what the decodes leave of the budget goes to the prompts with the fewest tokens left
+first (the running ones still prefilling, and the waiting queue's head when it could start; ties to the
+earlier admitted). A short request arriving during a long prompt starts at the next step instead of waiting
+for the whole long prompt (on a CPU a 32,000-token prompt takes minutes), and prompts arriving together are
+prefilled one after another, so that the first gets its first token after its own prefill rather than after
+all of theirs (as a fair share of every step would have it). The oldest prompt in progress still takes at
+least a quarter of the budget each step, so that a stream of shorter prompts never starves it. Decodes are
+not capped.
 
 With LoRA (`max_loras` > 0), the running requests use at most `max_loras` distinct adapters, as many as
 the model holds at once (izh.engine.lora_manager): a waiting request on another adapter waits at the
@@ -180,6 +183,16 @@ two Zen 4 cores (~4 ms: AVX-512 VNNI, no tiles) against a pair's attention there
 (bench_results/README.md, "A 32,000-token prompt on AVX512-BF16")."""
 
 
+def _in_prompt(request: Request) -> bool:
+    """Still prefilling its prompt (or recomputing it after a preemption)."""
+    return request.num_computed_tokens < request.num_prompt_tokens
+
+
+def _left(request: Request) -> int:
+    """Tokens it still has to compute."""
+    return request.num_tokens - request.num_computed_tokens
+
+
 def prefill_attention_pairs(context: int, num_tokens: int) -> int:
     """The (query token, context position) pairs a prefill chunk of `num_tokens` tokens from position
     `context` attends to: token i (0-based) sees context + i + 1 positions."""
@@ -247,9 +260,9 @@ class Scheduler:
         PREFILL_TOKEN_PAIRS_BY_PATH)."""
         self._attention_left: int | None = None
         """What is left of it in the step being scheduled (None: no limit this step)."""
-        self._prefill_share: int | None = None
-        """The most tokens one running prompt's chunk takes in the step being scheduled (None: no cap; see
-        the module docstring, "Prompts share the step")."""
+        self._chunk_caps: dict[str, int] | None = None
+        """The most tokens each running prompt's chunk takes in the step being scheduled, by request id (None
+        until the step's first chunk; see the module docstring, "Prompts in the step")."""
         self.requests: dict[str, Request] = {}
         """Every unfinished request by id."""
         self.running: list[Request] = []
@@ -339,11 +352,7 @@ class Scheduler:
         self._attention_left = (
             self.prefill_attention_budget if self.prefill_attention_budget and decoding else None
         )
-        # Prompts share the step: the running prompts still prefilling, and the waiting queue's head when
-        # it could start, each take at most an equal part of the token budget.
-        sharers = sum(r.num_computed_tokens < r.num_prompt_tokens for r in self.running)
-        sharers += bool(self.waiting) and len(self.running) < self.max_num_seqs
-        self._prefill_share = -(-self.max_num_batched_tokens // sharers) if sharers > 1 else None
+        self._chunk_caps = None
         budget = self._schedule_running(output, self.max_num_batched_tokens)
         # After a preemption blocks are scarce: admitting new work would only preempt again.
         if not output.preempted_request_ids:
@@ -360,8 +369,7 @@ class Scheduler:
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         """Give each running request what it still needs, the decodes first and then the prompts' chunks in
         order (a chunk never takes a decode's token); preempt when blocks run out."""
-        # A snapshot: preemption removes requests from self.running while we walk it.
-        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+        for request in self._running_order():
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -369,8 +377,12 @@ class Scheduler:
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new_tokens <= 0:
                 continue  # its step produced no token (the runner skipped it); nothing to compute
-            if self._prefill_share and request.num_computed_tokens < request.num_prompt_tokens:
-                num_new_tokens = min(num_new_tokens, self._prefill_share)
+            if _in_prompt(request):
+                if self._chunk_caps is None:  # the decodes, scheduled first, have taken theirs
+                    self._chunk_caps = self._prompt_chunk_caps(budget)
+                num_new_tokens = min(num_new_tokens, self._chunk_caps.get(request.request_id, num_new_tokens))
+                if num_new_tokens <= 0:
+                    continue  # what is left of the budget is the shorter prompts
             if request.num_tokens - request.num_computed_tokens > 1:
                 num_new_tokens = self._cap_by_attention(request.num_computed_tokens, num_new_tokens)
             spec_token_ids = request.spec_token_ids
@@ -392,6 +404,42 @@ class Scheduler:
                 if victim is request:
                     break  # it waits; later running requests may still fit without new blocks
         return budget
+
+    def _prompt_chunk_caps(self, budget: int) -> dict[str, int]:
+        """What each running prompt's chunk may take of `budget` (what the decodes left), the chunks then taken
+        in _running_order: the waiting queue's head, when it could start, keeps what it needs from every
+        prompt with more tokens left, and the oldest prompt in progress (taken first) keeps at least a
+        quarter of the step's budget but leaves what the prompts with fewer tokens left need."""
+        prompts = [r for r in self.running if _in_prompt(r)]
+        if not prompts:
+            return {}
+        head_left = None
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            head = self.waiting.peek()
+            if (self.is_ready is None or self.is_ready(head)) and (
+                not head.lora_id or self._lora_fits(head.lora_id)
+            ):
+                head_left = head.num_tokens - head.num_computed_tokens
+        caps = {
+            r.request_id: budget - head_left
+            for r in prompts
+            if head_left is not None and _left(r) > head_left
+        }
+        oldest = prompts[0]
+        shorter = sum(_left(r) for r in prompts[1:] if _left(r) < _left(oldest))
+        shorter += head_left if head_left is not None and head_left < _left(oldest) else 0
+        caps[oldest.request_id] = max(budget - shorter, self.max_num_batched_tokens // 4)
+        return caps
+
+    def _running_order(self) -> list[Request]:
+        """The decodes, then the oldest prompt in progress, then the other prompts by tokens left (the module
+        docstring, "Prompts in the step"); a snapshot, as preemption removes requests from self.running."""
+        prompts = [r for r in self.running if _in_prompt(r)]
+        oldest = prompts[0] if prompts else None
+        return sorted(
+            self.running,
+            key=lambda r: (0, 0) if not _in_prompt(r) else (1, 0) if r is oldest else (2, _left(r)),
+        )
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests by policy until the budget, max_num_seqs or the blocks run out."""

@@ -337,25 +337,42 @@ def test_prefix_hit_is_recorded_and_skipped() -> None:
 
 
 def test_a_short_request_arriving_during_a_long_prompt_starts_at_the_next_step() -> None:
-    """Prompts share the step: the long prompt's chunk leaves half the token budget to the waiting short
-    request, which is then prefilled whole and decodes while the long prompt goes on (decodes are scheduled
+    """The prompt with fewer tokens left goes first: the long prompt's chunk leaves the waiting short request
+    what it needs, so it is prefilled whole and decodes while the long prompt goes on (decodes are scheduled
     before chunks, so the long prompt, running first, never takes the decode's token)."""
     scheduler = make_scheduler(num_blocks=400, block_size=16, max_num_batched_tokens=64, max_model_len=2000)
     scheduler.add_request(make_request("long", 1000, max_tokens=1))
     assert plan(step(scheduler)[0]) == [("long", 64, 0, False)]
     scheduler.add_request(make_request("short", 20, first_token=3000, max_tokens=3))
-    assert plan(step(scheduler)[0]) == [("long", 32, 64, False), ("short", 20, 0, True)]
+    assert plan(step(scheduler)[0]) == [("long", 44, 64, False), ("short", 20, 0, True)]
     # only the long prompt prefills now: the decode goes first, the chunk takes what it leaves
-    assert plan(step(scheduler)[0]) == [("short", 1, 20, True), ("long", 63, 96, False)]
+    assert plan(step(scheduler)[0]) == [("short", 1, 20, True), ("long", 63, 108, False)]
 
 
-def test_two_long_prompts_advance_together() -> None:
+def test_prompts_arriving_together_are_prefilled_one_after_another() -> None:
+    """The first gets its first token after its own prefill, not after both (as equal shares would have it)."""
     scheduler = make_scheduler(num_blocks=400, block_size=16, max_num_batched_tokens=64, max_model_len=2000)
-    scheduler.add_request(make_request("a", 500, max_tokens=1))
+    scheduler.add_request(make_request("a", 200, max_tokens=1))
+    scheduler.add_request(make_request("b", 200, first_token=3000, max_tokens=1))
+    rows = [plan(step(scheduler)[0]) for _ in range(7)]
+    assert rows[:4] == [
+        [("a", 64, 0, False)],
+        [("a", 64, 64, False)],
+        [("a", 64, 128, False)],
+        [("a", 8, 192, True), ("b", 56, 0, False)],
+    ]
+    assert rows[4:] == [[("b", 64, 56, False)], [("b", 64, 120, False)], [("b", 16, 184, True)]]
+
+
+def test_the_oldest_prompt_keeps_a_quarter_of_the_budget_against_shorter_ones() -> None:
+    """A stream of shorter prompts never starves the one in progress longest."""
+    scheduler = make_scheduler(num_blocks=400, block_size=16, max_num_batched_tokens=64, max_model_len=2000)
+    scheduler.add_request(make_request("long", 1000, max_tokens=1))
     step(scheduler)
-    scheduler.add_request(make_request("b", 500, first_token=3000, max_tokens=1))
-    assert plan(step(scheduler)[0]) == [("a", 32, 64, False), ("b", 32, 0, False)]
-    assert plan(step(scheduler)[0]) == [("a", 32, 96, False), ("b", 32, 32, False)]
+    scheduler.add_request(make_request("short", 60, first_token=3000, max_tokens=1))
+    assert plan(step(scheduler)[0]) == [("long", 16, 64, False), ("short", 48, 0, False)]
+    # "short" has fewer tokens left than "long" and keeps what it needs; "long" the rest
+    assert plan(step(scheduler)[0]) == [("long", 52, 80, False), ("short", 12, 48, True)]
 
 
 def test_a_waiting_request_that_cannot_start_takes_no_share() -> None:
