@@ -432,13 +432,14 @@ class Scheduler:
         return caps
 
     def _running_order(self) -> list[Request]:
-        """The decodes, then the oldest prompt in progress, then the other prompts by tokens left (the module
-        docstring, "Prompts in the step"); a snapshot, as preemption removes requests from self.running."""
+        """The decodes, then the oldest prompt in progress, then the other chunks by tokens left (a prompt's,
+        or a preempted request's recomputation past its prompt; the module docstring, "Prompts in the step");
+        a snapshot, as preemption removes requests from self.running."""
         prompts = [r for r in self.running if _in_prompt(r)]
         oldest = prompts[0] if prompts else None
         return sorted(
             self.running,
-            key=lambda r: (0, 0) if not _in_prompt(r) else (1, 0) if r is oldest else (2, _left(r)),
+            key=lambda r: (0, 0) if _left(r) <= 1 else (1, 0) if r is oldest else (2, _left(r)),
         )
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
