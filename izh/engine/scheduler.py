@@ -1,11 +1,11 @@
 """Scheduler: picks each step's tokens under one token budget (pure Python).
 
 There is no prefill or decode phase. Each step the running requests go first (their decodes, then their
-prompts' chunks, each in order), then the waiting ones by policy, and each takes min(tokens still to
-compute, budget left): a long prompt is prefilled in
-chunks, a prefix-cache hit skips its cached tokens, a decode takes one token, all from the same loop.
-When blocks run out, the lowest-priority, latest-arrival running request is preempted: its blocks are
-freed and it is recomputed later (prompt + outputs so far), usually cheaply thanks to the prefix cache.
+prompts' chunks, as "Prompts in the step" below orders them), then the waiting ones by policy, and each takes
+min(tokens still to compute, budget left): a long prompt is prefilled in chunks, a prefix-cache hit skips its
+cached tokens, a decode takes one token, all from the same loop. When blocks run out, the lowest-priority,
+latest-arrival running request is preempted: its blocks are freed and it is recomputed later (prompt + outputs
+so far), usually cheaply thanks to the prefix cache.
 
 A pooling (embedding) request is the one exception to chunking: it is scheduled whole, so that it is
 computed, pooled and finished in one step (mean pooling needs every token's hidden state at once, and
@@ -367,8 +367,8 @@ class Scheduler:
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
-        """Give each running request what it still needs, the decodes first and then the prompts' chunks in
-        order (a chunk never takes a decode's token); preempt when blocks run out."""
+        """Give each running request what it still needs, the decodes first and then the chunks in
+        _running_order (a chunk never takes a decode's token); preempt when blocks run out."""
         for request in self._running_order():
             if budget == 0:
                 break
