@@ -428,7 +428,9 @@ class Scheduler:
         oldest = prompts[0]
         shorter = sum(_left(r) for r in prompts[1:] if _left(r) < _left(oldest))
         shorter += head_left if head_left is not None and head_left < _left(oldest) else 0
-        caps[oldest.request_id] = max(budget - shorter, self.max_num_batched_tokens // 4)
+        # at least one token: the waiting head it leaves room for may not get its blocks, and then nothing else
+        # would move (a livelock the fuzz test found at a budget of 3)
+        caps[oldest.request_id] = max(budget - shorter, self.max_num_batched_tokens // 4, 1)
         return caps
 
     def _running_order(self) -> list[Request]:
