@@ -820,7 +820,8 @@ INLINE void gq_rows8(const int type, const int il_rows, const uint8_t *w, int64_
  * (from GQ_IL_MIN_ROWS its interleaved codes): the small formats to 3 rows, Q8_0 and IQ4_NL to 6. Every linear
  * weight of Qwen2.5-Coder-0.5B Q4_K_M in turn on a Zen 3, 2 threads (gguf_blocks_ab.py --sweep): Q5_0 1.22x at 1
  * row, 1.19x at 3, 0.90x at 4; Q8_0 1.86x at 1, 1.21x at 6, 1.03x at 8 (bench_results/README.md); IQ4_NL, signed
- * too, as Q8_0 (not measured: no such file here). Never in the VNNI builds, whose gq_rows8 takes the small formats' shifted codes with one vpdpbusd a row (not measured there). */
+ * too, as Q8_0 (not measured: no such file here). Never in the VNNI builds, whose gq_rows8 takes the small formats'
+ * shifted codes with one vpdpbusd a row (not measured there). */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define GQ_DIRECT_SMALL_ROWS 0
 #define GQ_DIRECT_SIGNED_ROWS 0
