@@ -107,6 +107,10 @@ static inline int gq_info(int type, int *bytes, int *min_kind) {
     return bs;
 }
 
+/* The 32-input formats whose codes plus gq_small_off (Q4_0 8, Q5_0 16, Q4_1 and Q5_1 0) are unsigned (0..31). */
+#define GQ_SMALL(T) (T == GQ_Q4_0 || T == GQ_Q5_0 || T == GQ_Q4_1 || T == GQ_Q5_1)
+static inline int gq_small_off(int type) { return type == GQ_Q4_0 ? 8 : type == GQ_Q5_0 ? 16 : 0; }
+
 /* ggml's get_scale_min_k4: sub-block j's 6-bit scale and min of a Q4_K / Q5_K block. */
 INLINE void gq_scale_min_k4(int j, const uint8_t *q, int32_t *sc, int32_t *mn) {
     if (j < 4) {
@@ -753,8 +757,8 @@ INLINE void gq_rows8(const int type, const int il_rows, const uint8_t *w, int64_
     __m256i sv[8][8];
     __m256 acc[GQ_MC];
     /* codes 0..31 after a shift of `small_off`; the other 32-input formats' (Q8_0, IQ4_NL) are signed bytes */
-    const int small = type == GQ_Q4_0 || type == GQ_Q5_0 || type == GQ_Q4_1 || type == GQ_Q5_1;
-    const int small_off = type == GQ_Q4_0 ? 8 : type == GQ_Q5_0 ? 16 : 0;
+    const int small = GQ_SMALL(type);
+    const int small_off = gq_small_off(type);
     __m256i W[8], A[8];
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     const int il = il_rows && bs == 32 && !small;
@@ -872,8 +876,7 @@ INLINE void gq_rows8_direct_n(const int type, const int nm, const uint8_t *w, in
     int bytes, mk;
     gq_info(type, &bytes, &mk);
     const int64_t blocks = K / 32;
-    const int small = type == GQ_Q4_0 || type == GQ_Q5_0 || type == GQ_Q4_1 || type == GQ_Q5_1;
-    const int off = type == GQ_Q4_0 ? 8 : type == GQ_Q5_0 ? 16 : 0;
+    const int small = GQ_SMALL(type), off = gq_small_off(type);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[6]; /* nm <= GQ_DIRECT_SIGNED_ROWS */
     for (int64_t m = m0; m < m1; m++) acc[m - m0] = _mm256_setzero_ps();
@@ -1081,7 +1084,6 @@ INLINE void gq_rows8_q6k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int
     gq_store8(acc, m0, m1, out, os, n0);
 }
 
-#define GQ_SMALL(T) (T == GQ_Q4_0 || T == GQ_Q5_0 || T == GQ_Q4_1 || T == GQ_Q5_1)
 #define GQ_ROWS(T)                                                                                            \
     do {                                                                                                      \
         int64_t n = n0;                                                                                       \
