@@ -369,7 +369,8 @@ class Scheduler:
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         """Give each running request what it still needs, the decodes first and then the chunks in
         _running_order (a chunk never takes a decode's token); preempt when blocks run out."""
-        for request in self._running_order():
+        prompts = [r for r in self.running if _in_prompt(r)]  # oldest first
+        for request in self._running_order(prompts):
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -379,7 +380,7 @@ class Scheduler:
                 continue  # its step produced no token (the runner skipped it); nothing to compute
             if _in_prompt(request):
                 if self._chunk_caps is None:  # the decodes, scheduled first, have taken theirs
-                    self._chunk_caps = self._prompt_chunk_caps(budget)
+                    self._chunk_caps = self._prompt_chunk_caps(prompts, budget)
                 num_new_tokens = min(num_new_tokens, self._chunk_caps.get(request.request_id, num_new_tokens))
                 if num_new_tokens <= 0:
                     continue  # what is left of the budget is the shorter prompts
@@ -405,21 +406,18 @@ class Scheduler:
                     break  # it waits; later running requests may still fit without new blocks
         return budget
 
-    def _prompt_chunk_caps(self, budget: int) -> dict[str, int]:
+    def _prompt_chunk_caps(self, prompts: list[Request], budget: int) -> dict[str, int]:
         """What each running prompt's chunk may take of `budget` (what the decodes left), the chunks then taken
         in _running_order: the waiting queue's head, when it could start, keeps what it needs from every
         prompt with more tokens left, and the oldest prompt in progress (taken first) keeps at least a
-        quarter of the step's budget but leaves what the prompts with fewer tokens left need."""
-        prompts = [r for r in self.running if _in_prompt(r)]
+        quarter of the step's budget but leaves what the prompts with fewer tokens left need. `prompts`: the
+        prompts in progress at the step's start, oldest first; those the decodes' blocks preempted drop out."""
+        prompts = [r for r in prompts if r.status == RequestStatus.RUNNING]
         if not prompts:
             return {}
         head_left = None
-        if self.waiting and len(self.running) < self.max_num_seqs:
-            head = self.waiting.peek()
-            if (self.is_ready is None or self.is_ready(head)) and (
-                not head.lora_id or self._lora_fits(head.lora_id)
-            ):
-                head_left = head.num_tokens - head.num_computed_tokens
+        if self.waiting and len(self.running) < self.max_num_seqs and self._may_start(self.waiting.peek()):
+            head_left = _left(self.waiting.peek())
         caps = {
             r.request_id: budget - head_left
             for r in prompts
@@ -433,11 +431,10 @@ class Scheduler:
         caps[oldest.request_id] = max(budget - shorter, self.max_num_batched_tokens // 4, 1)
         return caps
 
-    def _running_order(self) -> list[Request]:
-        """The decodes, then the oldest prompt in progress, then the other chunks by tokens left (a prompt's,
-        or a preempted request's recomputation past its prompt; the module docstring, "Prompts in the step");
-        a snapshot, as preemption removes requests from self.running."""
-        prompts = [r for r in self.running if _in_prompt(r)]
+    def _running_order(self, prompts: list[Request]) -> list[Request]:
+        """The decodes, then the oldest prompt in progress (prompts[0]), then the other chunks by tokens left (a
+        prompt's, or a preempted request's recomputation past its prompt; the module docstring, "Prompts in the
+        step"); a snapshot, as preemption removes requests from self.running."""
         oldest = prompts[0] if prompts else None
         return sorted(
             self.running,
@@ -450,10 +447,8 @@ class Scheduler:
         admitted = False
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            if self.is_ready is not None and not self.is_ready(request):
+            if not self._may_start(request):
                 break  # head of line keeps its place; the running requests go on meanwhile
-            if request.lora_id and not self._lora_fits(request.lora_id):
-                break  # its adapter needs a slot that running requests' adapters all hold
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
             if request.is_pooling:
@@ -476,6 +471,13 @@ class Scheduler:
             budget -= num_new_tokens
             admitted = True
         return budget
+
+    def _may_start(self, request: Request) -> bool:
+        """Whether a waiting request could start, budget and blocks aside: it is ready (is_ready), and its
+        adapter, if any, has a slot (one that running requests' adapters do not all hold)."""
+        if self.is_ready is not None and not self.is_ready(request):
+            return False
+        return not request.lora_id or self._lora_fits(request.lora_id)
 
     def _cap_by_attention(self, context: int, num_new_tokens: int) -> int:
         """num_new_tokens (>= 1) of a prefill chunk from position `context`, cut to the pairs it may attend
