@@ -490,3 +490,63 @@ def test_core_exits_when_the_frontend_is_killed(tmp_path: Path) -> None:
 def test_options_file_round_trip(tmp_path: Path) -> None:
     write_options(tmp_path, step_delay_s=0.5)
     assert json.loads((tmp_path / "fake_core.json").read_text()) == {"step_delay_s": 0.5}
+
+
+def test_a_burst_of_outputs_queued_before_the_frontend_reads_all_arrive_in_order(tmp_path: Path) -> None:
+    """The output reader drains what is queued in batches (zmq's FD signals edges, so what a batch
+    leaves must be read without a new edge): 3 batches' worth sent at once, then one more later."""
+    import zmq
+
+    from izh.engine_messages import Ready, make_encoder
+    from izh.frontend.client import _DRAIN_BATCH, AttachedCore
+
+    burst = 3 * _DRAIN_BATCH + 5
+    encoder = make_encoder()
+    ctx = zmq.Context()
+    core_out = ctx.socket(zmq.PUSH)
+    core_out.setsockopt(zmq.LINGER, 0)
+    addr = f"ipc://{tmp_path}/out.sock"
+
+    def tokens(rec: Recorder) -> list[int]:
+        return [t for eo in rec.outputs.get("r", []) for t in eo.new_token_ids]
+
+    async def scenario() -> None:
+        rec = Recorder()
+        start = asyncio.ensure_future(
+            EngineCoreClient.start(
+                EngineConfig(model=str(tmp_path)),
+                on_outputs=rec.on_outputs,
+                on_dead=rec.on_dead,
+                attach=AttachedCore(f"ipc://{tmp_path}/in.sock", addr, client_index=0),
+            )
+        )
+        await asyncio.sleep(0.2)  # the client binds its output address
+        core_out.connect(addr)
+        ready = Ready(
+            max_model_len=64,
+            num_blocks=4,
+            block_size=16,
+            vocab_size=8,
+            eos_token_ids=[],
+            device="cpu",
+            dtype="float32",
+        )
+        core_out.send(encoder.encode(ready))
+        for i in range(burst):
+            core_out.send(encoder.encode(EngineOutputs(outputs=[EngineOutput("r", [i])], timestamp=0.0)))
+        client = await start
+        try:
+            await rec.until(lambda: len(tokens(rec)) >= burst)
+            assert tokens(rec) == list(range(burst))
+            core_out.send(encoder.encode(EngineOutputs(outputs=[EngineOutput("r", [burst])], timestamp=0.0)))
+            await rec.until(lambda: len(tokens(rec)) > burst)
+            assert tokens(rec) == list(range(burst + 1))
+            assert not rec.dead
+        finally:
+            await client.shutdown()
+
+    try:
+        run(scenario())
+    finally:
+        core_out.close()
+        ctx.term()
