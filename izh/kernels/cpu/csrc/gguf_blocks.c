@@ -323,10 +323,10 @@ INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
     }
 }
 
-/* Quantizes rows [m0, m1) of x (row stride xs) to q int8 [., K] (row stride K), dx and ex [., K / G], and
- * the sums of q per 16 inputs qs16 [., K / 16] (see the header; q8_group in common.h). */
+/* Quantizes rows [m0, m1) of x (row stride xs) to q int8 [., K] (row stride K), dx and ex [., K / G], the sums
+ * of q per 16 inputs qs16 [., K / 16] and per group qsg [., K / G] (see the header; q8_group in common.h). */
 static void gq_quantize_rows(const float *x, int64_t xs, int64_t m0, int64_t m1, int64_t K, int G, int8_t *q,
-                             float *dx, float *ex, int32_t *qs16) {
+                             float *dx, float *ex, int32_t *qs16, int32_t *qsg) {
     const int64_t groups = K / G;
     for (int64_t m = m0; m < m1; m++)
         for (int64_t g = 0; g < groups; g++) {
@@ -336,6 +336,7 @@ static void gq_quantize_rows(const float *x, int64_t xs, int64_t m0, int64_t m1,
             for (int j = 0; j < G / 16; j++) sum += s16[j];
             dx[m * groups + g] = d;
             ex[m * groups + g] = d * (float)sum;
+            qsg[m * groups + g] = sum;
         }
 }
 
@@ -455,6 +456,13 @@ INLINE __m256i gq_reduce8(const __m256i *v) {
     for (int i = 0; i < 2; i++) /* lanes: v[4i .. 4i+3]'s half sums per 128-bit half */
         q[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(p[2 * i], p[2 * i + 1]), _mm256_unpackhi_epi64(p[2 * i], p[2 * i + 1]));
     return _mm256_add_epi32(_mm256_permute2x128_si256(q[0], q[1], 0x20), _mm256_permute2x128_si256(q[0], q[1], 0x31));
+}
+
+/* isum - off * qsum in every lane, off a power of two (a small format's offset, or 128): qsum, the block's sum of
+ * q, is gq_quantize_rows' per group (one broadcast load; from qs16 it took two loads, an add, a multiply and a move
+ * from a general register, for every 8 weight rows). */
+INLINE __m256i gq_sub_off(__m256i isum, int32_t qsum, int off) {
+    return _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_set1_epi32(qsum), __builtin_ctz((unsigned)off)));
 }
 
 /* The recipe's float epilogue for the 8 outputs of a block, one per lane (the header's order, every operation
@@ -740,7 +748,7 @@ INLINE __m256i gq_sums8(const gq_block *blk, __m256i sv[8][8], const int8_t *q, 
  * 8 and no per-block horizontal sum stands in the way. Sub-block scales are applied in 16-bit lanes
  * (vpmaddwd of the pair sums by the scale: |pair| <= 32512, |scale| <= 128).
  * Q4_0, Q5_0, Q4_1 and Q5_1 codes plus a constant `off` (8, 16, 0, 0) are unsigned (0..31), and with VNNI
- * signed bytes plus 128 are too (0..255), so c . q = (c + off) . q - off * (the block's sum of q, its two qs16):
+ * signed bytes plus 128 are too (0..255), so c . q = (c + off) . q - off * (the block's sum of q, qsg):
  * each block's codes are shifted once, and each activation row's products need no sign and magnitude per row.
  * With VNNI the small codes take one vpdpbusd a row (1.1x at 8 rows of a Qwen2.5-Coder-0.5B Q4_K_M decode step,
  * avx512; 1.1-1.2x at 4 rows, amx). From GQ_IL_MIN_ROWS rows the 32-input codes are interleaved (gq_interleave8),
@@ -748,7 +756,7 @@ INLINE __m256i gq_sums8(const gq_block *blk, __m256i sv[8][8], const int8_t *q, 
  * integers either way, so the same bits. bench_results/README.md. */
 INLINE void gq_rows8(const int type, const int il_rows, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t m0,
                      int64_t m1, int64_t K, const int8_t *xq, const float *dx, const float *ex, const int32_t *qs16,
-                     float *out, int64_t os) {
+                     const int32_t *qsg, float *out, int64_t os) {
     int bytes, mk;
     const int bs = gq_info(type, &bytes, &mk);
     const int nr = bs / 32;
@@ -798,10 +806,7 @@ INLINE void gq_rows8(const int type, const int il_rows, const uint8_t *w, int64_
             __m256i isum = il ? gq_dot_il(W, uns ? NULL : A, q) : gq_sums8(blk, sv, q, bs, uns);
             const int64_t g = m * blocks + b;
             const __m256 vdx = _mm256_set1_ps(dx[g]);
-            if (off) {
-                const int32_t *s16 = qs16 + m * (K / 16) + 2 * b;
-                isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(off * (s16[0] + s16[1])));
-            }
+            if (off) isum = gq_sub_off(isum, qsg[g], off);
             __m256 a = gq_epilogue8(acc[m - m0], isum, dwv, vdx);
             if (mk == GQ_MIN_FLOAT) a = _mm256_add_ps(a, _mm256_mul_ps(mwv, _mm256_set1_ps(ex[g])));
             if (mk == GQ_MIN_INT) {
@@ -871,7 +876,7 @@ INLINE __m256 gq_f16x8(const uint8_t *p, int64_t stride) {
  * and IQ4_NL take |c| and q with c's sign. The same integers, so the same bits. */
 INLINE void gq_rows8_direct_n(const int type, const int nm, const uint8_t *w, int64_t row_bytes, int64_t n0,
                               int64_t m0, int64_t K, const int8_t *xq, const float *dx, const float *ex,
-                              const int32_t *qs16, float *out, int64_t os) {
+                              const int32_t *qsg, float *out, int64_t os) {
     const int64_t m1 = m0 + nm;
     int bytes, mk;
     gq_info(type, &bytes, &mk);
@@ -897,12 +902,9 @@ INLINE void gq_rows8_direct_n(const int type, const int nm, const uint8_t *w, in
                                            : _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(q, c));
                 t[i] = _mm256_madd_epi16(prod, ones);
             }
-            __m256i isum = gq_reduce8(t);
-            if (off) {
-                const int32_t *s16 = qs16 + m * (K / 16) + 2 * b;
-                isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(off * (s16[0] + s16[1])));
-            }
             const int64_t g = m * blocks + b;
+            __m256i isum = gq_reduce8(t);
+            if (off) isum = gq_sub_off(isum, qsg[g], off);
             __m256 a = gq_epilogue8(acc[m - m0], isum, dwv, _mm256_set1_ps(dx[g]));
             if (mk == GQ_MIN_FLOAT) a = _mm256_add_ps(a, _mm256_mul_ps(mwv, _mm256_set1_ps(ex[g])));
             acc[m - m0] = a;
@@ -913,15 +915,15 @@ INLINE void gq_rows8_direct_n(const int type, const int nm, const uint8_t *w, in
 
 /* gq_rows8_direct_n with the row count a constant: the accumulators stay in registers. */
 INLINE void gq_rows8_direct(const int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t m0, int64_t m1,
-                            int64_t K, const int8_t *xq, const float *dx, const float *ex, const int32_t *qs16,
+                            int64_t K, const int8_t *xq, const float *dx, const float *ex, const int32_t *qsg,
                             float *out, int64_t os) {
     switch (m1 - m0) {
-    case 1: gq_rows8_direct_n(type, 1, w, row_bytes, n0, m0, K, xq, dx, ex, qs16, out, os); break;
-    case 2: gq_rows8_direct_n(type, 2, w, row_bytes, n0, m0, K, xq, dx, ex, qs16, out, os); break;
-    case 3: gq_rows8_direct_n(type, 3, w, row_bytes, n0, m0, K, xq, dx, ex, qs16, out, os); break;
-    case 4: gq_rows8_direct_n(type, 4, w, row_bytes, n0, m0, K, xq, dx, ex, qs16, out, os); break;
-    case 5: gq_rows8_direct_n(type, 5, w, row_bytes, n0, m0, K, xq, dx, ex, qs16, out, os); break;
-    default: gq_rows8_direct_n(type, 6, w, row_bytes, n0, m0, K, xq, dx, ex, qs16, out, os); break;
+    case 1: gq_rows8_direct_n(type, 1, w, row_bytes, n0, m0, K, xq, dx, ex, qsg, out, os); break;
+    case 2: gq_rows8_direct_n(type, 2, w, row_bytes, n0, m0, K, xq, dx, ex, qsg, out, os); break;
+    case 3: gq_rows8_direct_n(type, 3, w, row_bytes, n0, m0, K, xq, dx, ex, qsg, out, os); break;
+    case 4: gq_rows8_direct_n(type, 4, w, row_bytes, n0, m0, K, xq, dx, ex, qsg, out, os); break;
+    case 5: gq_rows8_direct_n(type, 5, w, row_bytes, n0, m0, K, xq, dx, ex, qsg, out, os); break;
+    default: gq_rows8_direct_n(type, 6, w, row_bytes, n0, m0, K, xq, dx, ex, qsg, out, os); break;
     }
 }
 
@@ -1094,13 +1096,13 @@ INLINE void gq_rows8_q6k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int
         if (T == GQ_Q4_K || T == GQ_Q5_K || (T == GQ_Q6_K && m1 - m0 <= GQ_Q6K_DIRECT_ROWS))                   \
             for (; n + 8 <= n1; n += 8) gq_rows8_k(T, w, row_bytes, n, m0, m1, K, xq, dx, qs16, out, os);     \
         if (m1 - m0 <= (GQ_SMALL(T) ? GQ_DIRECT_SMALL_ROWS : T == GQ_Q8_0 || T == GQ_IQ4_NL ? GQ_DIRECT_SIGNED_ROWS : 0)) \
-            for (; n + 8 <= n1; n += 8) gq_rows8_direct(T, w, row_bytes, n, m0, m1, K, xq, dx, ex, qs16, out, os); \
+            for (; n + 8 <= n1; n += 8) gq_rows8_direct(T, w, row_bytes, n, m0, m1, K, xq, dx, ex, qsg, out, os); \
         const int il_rows = m1 - m0 >= GQ_IL_MIN_ROWS;                                                        \
         if (GQ_SMALL(T) && il_rows) /* a copy of its own: measured faster both ways for these types, slower */ \
             for (; n + 8 <= n1; n += 8) /* at 1 row for Q8_0 (gcc's register allocation) */                   \
-                gq_rows8(T, 1, w, row_bytes, n, m0, m1, K, xq, dx, ex, qs16, out, os);                          \
+                gq_rows8(T, 1, w, row_bytes, n, m0, m1, K, xq, dx, ex, qs16, qsg, out, os);                     \
         for (; n + 8 <= n1; n += 8)                                                                           \
-            gq_rows8(T, !GQ_SMALL(T) && il_rows, w, row_bytes, n, m0, m1, K, xq, dx, ex, qs16, out, os);         \
+            gq_rows8(T, !GQ_SMALL(T) && il_rows, w, row_bytes, n, m0, m1, K, xq, dx, ex, qs16, qsg, out, os);    \
         if (n < n1) gq_rows(T, w, row_bytes, n, n1, m0, m1, K, xq, dx, ex, qs16, out, os);                  \
     } while (0)
 #elif GQ_NEON
@@ -1121,7 +1123,9 @@ INLINE void gq_rows8_q6k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int
     static __attribute__((noinline)) void gq_rows_##T(const uint8_t *w, int64_t row_bytes, int64_t n0,        \
                                                       int64_t n1, int64_t m0, int64_t m1, int64_t K,          \
                                                       const int8_t *xq, const float *dx, const float *ex,     \
-                                                      const int32_t *qs16, float *out, int64_t os) {          \
+                                                      const int32_t *qs16, const int32_t *qsg, float *out,    \
+                                                      int64_t os) {                                           \
+        (void)qsg; /* the AVX2 and AVX-512 kernels' offset corrections */                                     \
         GQ_ROWS(T);                                                                                           \
     }
 GQ_TYPE_FN(GQ_Q4_0)
@@ -1136,11 +1140,11 @@ GQ_TYPE_FN(GQ_Q6_K)
 GQ_TYPE_FN(GQ_IQ4_XS)
 
 #define GQ_CASE(T)                                                                                            \
-    case T: gq_rows_##T(w, row_bytes, n0, n1, m0, m1, K, xq, dx, ex, qs16, out, os); break;
+    case T: gq_rows_##T(w, row_bytes, n0, n1, m0, m1, K, xq, dx, ex, qs16, qsg, out, os); break;
 
 static void gq_dispatch(int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t m0,
                         int64_t m1, int64_t K, const int8_t *xq, const float *dx, const float *ex,
-                        const int32_t *qs16, float *out, int64_t os) {
+                        const int32_t *qs16, const int32_t *qsg, float *out, int64_t os) {
     switch (type) {
         GQ_CASE(GQ_Q4_0)
         GQ_CASE(GQ_Q4_1)
@@ -1215,12 +1219,13 @@ int izh_gguf_matmul_f32(int type, const float *x, int64_t xs, const uint8_t *w, 
         return -1;
     const int amx = gq_uses_amx(type, bs, M);
     const size_t groups = (size_t)M * (size_t)(K / bs), xq_bytes = ((size_t)M * (size_t)K + 63) & ~(size_t)63;
-    char *buf = (char *)aligned_alloc(64, xq_bytes + ((groups * 8 + (size_t)M * (size_t)(K / 16) * 4 + 63) & ~(size_t)63));
+    char *buf = (char *)aligned_alloc(64, xq_bytes + ((groups * 12 + (size_t)M * (size_t)(K / 16) * 4 + 63) & ~(size_t)63));
     if (!buf) return -4;
     int8_t *xq = (int8_t *)buf;
     float *dx = (float *)(buf + xq_bytes);
     float *ex = dx + groups;
     int32_t *qs16 = (int32_t *)(ex + groups);
+    int32_t *qsg = qs16 + (size_t)M * (size_t)(K / 16);
 #if GQ_AMX
     /* the tiles' copy of the activations (gq_amx_act), rows padded to 16 */
     gq_amx_act act = {NULL, NULL, NULL, NULL, (M + 15) / 16 * 16};
@@ -1244,7 +1249,7 @@ int izh_gguf_matmul_f32(int type, const float *x, int64_t xs, const uint8_t *w, 
 #pragma omp parallel num_threads(nt)
     {
         const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-        gq_quantize_rows(x, xs, M * me / team, M * (me + 1) / team, K, bs, xq, dx, ex, qs16);
+        gq_quantize_rows(x, xs, M * me / team, M * (me + 1) / team, K, bs, xq, dx, ex, qs16, qsg);
 #pragma omp barrier
 #if GQ_AMX
         if (amx) {
@@ -1260,7 +1265,7 @@ int izh_gguf_matmul_f32(int type, const float *x, int64_t xs, const uint8_t *w, 
             const int64_t n0 = N * me / team, n1 = N * (me + 1) / team;
             for (int64_t m0 = 0; m0 < M; m0 += GQ_MC) {
                 const int64_t m1 = m0 + GQ_MC < M ? m0 + GQ_MC : M;
-                gq_dispatch(type, w, row_bytes, n0, n1, m0, m1, K, xq, dx, ex, qs16, out, os);
+                gq_dispatch(type, w, row_bytes, n0, n1, m0, m1, K, xq, dx, ex, qs16, qsg, out, os);
             }
         }
     }
