@@ -323,8 +323,17 @@ INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
     }
 }
 
+/* int32 words of qsg per group of G inputs: a 32-input group's sum of q; for a 256-input group, its 16 sums of 16
+ * (qs16) as 16-bit pairs (8 words, the Q6_K kernels' correction), then its 8 sums of 32 as 16-bit pairs (4 words,
+ * the Q4_K / Q5_K mins), then 4 unused: 64 bytes, so that no load of them straddles two cache lines (at 48 the Q6_K
+ * 1-row kernel lost 3%). Each |sum| <= 32 * 127 fits 16 bits. */
+#define GQ_QSG_WORDS(G) ((G) == 256 ? 16 : 1)
+
+INLINE int32_t gq_pack16(int32_t lo, int32_t hi) { return (int32_t)((uint32_t)(uint16_t)lo | ((uint32_t)(uint16_t)hi << 16)); }
+
 /* Quantizes rows [m0, m1) of x (row stride xs) to q int8 [., K] (row stride K), dx and ex [., K / G], the sums
- * of q per 16 inputs qs16 [., K / 16] and per group qsg [., K / G] (see the header; q8_group in common.h). */
+ * of q per 16 inputs qs16 [., K / 16] and per group qsg [., K / G, GQ_QSG_WORDS(G)] (see the header; q8_group in
+ * common.h). The kernels read qsg's sums where they would add them up again for every 8 weight rows. */
 static void gq_quantize_rows(const float *x, int64_t xs, int64_t m0, int64_t m1, int64_t K, int G, int8_t *q,
                              float *dx, float *ex, int32_t *qs16, int32_t *qsg) {
     const int64_t groups = K / G;
@@ -336,7 +345,14 @@ static void gq_quantize_rows(const float *x, int64_t xs, int64_t m0, int64_t m1,
             for (int j = 0; j < G / 16; j++) sum += s16[j];
             dx[m * groups + g] = d;
             ex[m * groups + g] = d * (float)sum;
-            qsg[m * groups + g] = sum;
+            int32_t *ks = qsg + (m * groups + g) * GQ_QSG_WORDS(G);
+            if (G == 32) {
+                ks[0] = sum;
+                continue;
+            }
+            for (int h = 0; h < 8; h++) ks[h] = gq_pack16(s16[2 * h], s16[2 * h + 1]);
+            for (int h = 0; h < 4; h++)
+                ks[8 + h] = gq_pack16(s16[4 * h] + s16[4 * h + 1], s16[4 * h + 2] + s16[4 * h + 3]);
         }
 }
 
@@ -518,7 +534,7 @@ INLINE void gq_prefetch_slice(const char *next, int64_t b, int64_t slice) {
  *    32 * sum_j s[j] * qs16[j] subtracted.
  * isum and msum are the same integers, so every output is gq_rows8's to the bit. */
 INLINE void gq_rows8_k(const int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t m0, int64_t m1,
-                       int64_t K, const int8_t *xq, const float *dx, const int32_t *qs16, float *out, int64_t os) {
+                       int64_t K, const int8_t *xq, const float *dx, const int32_t *qsg, float *out, int64_t os) {
     /* q4: Q4_K or Q5_K, the formats with 8 scales and 8 mins of 32 inputs (Q5_K: a fifth bit from qh) */
     const int q5 = type == GQ_Q5_K, q4 = type == GQ_Q4_K || q5, bytes = q5 ? 176 : q4 ? 144 : 210;
     const int64_t blocks = K / 256;
@@ -573,14 +589,12 @@ INLINE void gq_rows8_k(const int type, const uint8_t *w, int64_t row_bytes, int6
         const __m256 dwv = _mm256_loadu_ps(dw), mwv = _mm256_loadu_ps(mw);
         for (int64_t m = m0; m < m1; m++) {
             const int8_t *q = xq + m * K + b * 256;
-            const int32_t *s16q = qs16 + m * (K / 16) + b * 16;
-            const __m256i qa = _mm256_loadu_si256((const __m256i *)s16q), qb = _mm256_loadu_si256((const __m256i *)(s16q + 8));
+            const int32_t *ks = qsg + (m * blocks + b) * GQ_QSG_WORDS(256);
             __m256i t[8];
             int32_t ms[8];
             if (q4) {
-                /* the 8 sub-blocks' sums of q (pairs of qs16), 16-bit (|sum| <= 32 * 127) */
-                const __m256i pairs = _mm256_permute4x64_epi64(_mm256_hadd_epi32(qa, qb), 0xD8);
-                const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+                /* the 8 sub-blocks' sums of q, 16-bit (|sum| <= 32 * 127) */
+                const __m128i p16 = _mm_loadu_si128((const __m128i *)(ks + 8));
                 for (int i = 0; i < 8; i++) {
                     const uint8_t *blk = w + (n0 + i) * row_bytes + b * bytes, *p = blk + (q5 ? 48 : 16);
                     const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
@@ -606,7 +620,7 @@ INLINE void gq_rows8_k(const int type, const uint8_t *w, int64_t row_bytes, int6
                 }
             } else {
                 /* sum_j s[j] * qs16[j] is subtracted 32 times: qs16 as 16-bit lanes (|qs16| <= 16 * 127) */
-                const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qa, qb), 0xD8);
+                const __m256i q16 = _mm256_loadu_si256((const __m256i *)ks);
                 for (int i = 0; i < 8; i++) {
                     const uint8_t *p = w + (n0 + i) * row_bytes + b * bytes;
                     __m256i a = _mm256_setzero_si256();
@@ -943,7 +957,7 @@ INLINE void gq_rows8_direct(const int type, const uint8_t *w, int64_t row_bytes,
  * vpmaddwd by the sub-block's scale, held in both 16-bit halves of each row's lane; the mins' sum by vpmaddwd of
  * two sub-blocks' mins against their sums of q (16-bit: |sum| <= 32 * 127). The same integers, so the same bits. */
 INLINE void gq_rows8_q4k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t m0, int64_t m1, int64_t K,
-                            const int8_t *xq, const float *dx, const int32_t *qs16, float *out, int64_t os) {
+                            const int8_t *xq, const float *dx, const int32_t *qsg, float *out, int64_t os) {
     const int64_t blocks = K / 256;
     const __m256i m4 = _mm256_set1_epi8(15);
     __m256 acc[GQ_MC];
@@ -982,17 +996,15 @@ INLINE void gq_rows8_q4k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int
         const __m256 dwv = _mm256_loadu_ps(dw), mwv = _mm256_loadu_ps(mw);
         for (int64_t m = m0; m < m1; m++) {
             const int8_t *q = xq + m * K + b * 256;
-            const int32_t *s16q = qs16 + m * (K / 16) + b * 16;
+            const int32_t *ks = qsg + (m * blocks + b) * GQ_QSG_WORDS(256);
             __m256i isum = _mm256_setzero_si256(), msum = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) {
                 __m256i s = _mm256_maddubs_epi16(W[j][0], gq_bcast4(q + 32 * j));
                 for (int v = 1; v < 8; v++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(W[j][v], gq_bcast4(q + 32 * j + 4 * v)));
                 isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s, SC[j]));
             }
-            for (int h = 0; h < 4; h++) {
-                const uint32_t qa = (uint16_t)(s16q[4 * h] + s16q[4 * h + 1]), qb = (uint16_t)(s16q[4 * h + 2] + s16q[4 * h + 3]);
-                msum = _mm256_add_epi32(msum, _mm256_madd_epi16(MN[h], _mm256_set1_epi32((int32_t)(qa | (qb << 16)))));
-            }
+            for (int h = 0; h < 4; h++) /* sub-blocks 2h and 2h + 1's sums of q, 16-bit */
+                msum = _mm256_add_epi32(msum, _mm256_madd_epi16(MN[h], _mm256_set1_epi32(ks[8 + h])));
             int32_t ms[8];
             _mm256_storeu_si256((__m256i *)ms, msum);
             const __m256 vdx = _mm256_set1_ps(dx[m * blocks + b]);
@@ -1020,7 +1032,7 @@ INLINE void gq_rows8_q4k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int
  * qs16's, |qs16| <= 16 * 127) is subtracted, so isum = sum_j s[j] * (c . q over sub-block j): the same integers, so
  * the same bits. */
 INLINE void gq_rows8_q6k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t m0, int64_t m1, int64_t K,
-                            const int8_t *xq, const float *dx, const int32_t *qs16, float *out, int64_t os) {
+                            const int8_t *xq, const float *dx, const int32_t *qsg, float *out, int64_t os) {
     const int64_t blocks = K / 256;
     const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
     __m256 acc[GQ_MC];
@@ -1067,7 +1079,7 @@ INLINE void gq_rows8_q6k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int
         const __m256 dwv = _mm256_loadu_ps(dw);
         for (int64_t m = m0; m < m1; m++) {
             const int8_t *q = xq + m * K + b * 256;
-            const int32_t *s16q = qs16 + m * (K / 16) + b * 16;
+            const int32_t *ks = qsg + (m * blocks + b) * GQ_QSG_WORDS(256);
             __m256i isum = _mm256_setzero_si256(), corr = _mm256_setzero_si256();
             for (int g = 0; g < 8; g++)
                 for (int v = 0; v < 8; v += 2) {
@@ -1075,10 +1087,8 @@ INLINE void gq_rows8_q6k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int
                                                        _mm256_maddubs_epi16(W[g][v + 1], gq_bcast4(q + 32 * g + 4 * v + 4)));
                     isum = _mm256_add_epi32(isum, _mm256_madd_epi16(t, SC[2 * g + v / 4]));
                 }
-            for (int h = 0; h < 8; h++) {
-                const uint32_t qq = (uint32_t)(uint16_t)s16q[2 * h] | ((uint32_t)(uint16_t)s16q[2 * h + 1] << 16);
-                corr = _mm256_add_epi32(corr, _mm256_madd_epi16(SP[h], _mm256_set1_epi32((int32_t)qq)));
-            }
+            for (int h = 0; h < 8; h++) /* qs16 2h and 2h + 1, 16-bit */
+                corr = _mm256_add_epi32(corr, _mm256_madd_epi16(SP[h], _mm256_set1_epi32(ks[h])));
             isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(corr, 5));
             acc[m - m0] = gq_epilogue8(acc[m - m0], isum, dwv, _mm256_set1_ps(dx[m * blocks + b]));
         }
@@ -1090,11 +1100,11 @@ INLINE void gq_rows8_q6k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int
     do {                                                                                                      \
         int64_t n = n0;                                                                                       \
         if (T == GQ_Q4_K && GQ_IL_Q4K_MIN_ROWS && m1 - m0 >= GQ_IL_Q4K_MIN_ROWS)                              \
-            for (; n + 8 <= n1; n += 8) gq_rows8_q4k_il(w, row_bytes, n, m0, m1, K, xq, dx, qs16, out, os);    \
+            for (; n + 8 <= n1; n += 8) gq_rows8_q4k_il(w, row_bytes, n, m0, m1, K, xq, dx, qsg, out, os);     \
         if (T == GQ_Q6_K && GQ_IL_Q6K_MIN_ROWS && m1 - m0 >= GQ_IL_Q6K_MIN_ROWS)                              \
-            for (; n + 8 <= n1; n += 8) gq_rows8_q6k_il(w, row_bytes, n, m0, m1, K, xq, dx, qs16, out, os);    \
+            for (; n + 8 <= n1; n += 8) gq_rows8_q6k_il(w, row_bytes, n, m0, m1, K, xq, dx, qsg, out, os);     \
         if (T == GQ_Q4_K || T == GQ_Q5_K || (T == GQ_Q6_K && m1 - m0 <= GQ_Q6K_DIRECT_ROWS))                   \
-            for (; n + 8 <= n1; n += 8) gq_rows8_k(T, w, row_bytes, n, m0, m1, K, xq, dx, qs16, out, os);     \
+            for (; n + 8 <= n1; n += 8) gq_rows8_k(T, w, row_bytes, n, m0, m1, K, xq, dx, qsg, out, os);      \
         if (m1 - m0 <= (GQ_SMALL(T) ? GQ_DIRECT_SMALL_ROWS : T == GQ_Q8_0 || T == GQ_IQ4_NL ? GQ_DIRECT_SIGNED_ROWS : 0)) \
             for (; n + 8 <= n1; n += 8) gq_rows8_direct(T, w, row_bytes, n, m0, m1, K, xq, dx, ex, qsg, out, os); \
         const int il_rows = m1 - m0 >= GQ_IL_MIN_ROWS;                                                        \
@@ -1219,13 +1229,15 @@ int izh_gguf_matmul_f32(int type, const float *x, int64_t xs, const uint8_t *w, 
         return -1;
     const int amx = gq_uses_amx(type, bs, M);
     const size_t groups = (size_t)M * (size_t)(K / bs), xq_bytes = ((size_t)M * (size_t)K + 63) & ~(size_t)63;
-    char *buf = (char *)aligned_alloc(64, xq_bytes + ((groups * 12 + (size_t)M * (size_t)(K / 16) * 4 + 63) & ~(size_t)63));
+    const size_t act_bytes = (groups * 8 + (size_t)M * (size_t)(K / 16) * 4 + 63) & ~(size_t)63;
+    const size_t qsg_bytes = (groups * GQ_QSG_WORDS(bs) * 4 + 63) & ~(size_t)63;
+    char *buf = (char *)aligned_alloc(64, xq_bytes + act_bytes + qsg_bytes);
     if (!buf) return -4;
     int8_t *xq = (int8_t *)buf;
     float *dx = (float *)(buf + xq_bytes);
     float *ex = dx + groups;
     int32_t *qs16 = (int32_t *)(ex + groups);
-    int32_t *qsg = qs16 + (size_t)M * (size_t)(K / 16);
+    int32_t *qsg = (int32_t *)(buf + xq_bytes + act_bytes); /* 64-byte aligned */
 #if GQ_AMX
     /* the tiles' copy of the activations (gq_amx_act), rows padded to 16 */
     gq_amx_act act = {NULL, NULL, NULL, NULL, (M + 15) / 16 * 16};
