@@ -325,8 +325,8 @@ INLINE void gq_decode(const int type, const uint8_t *p, gq_block *b) {
 
 /* int32 words of qsg per group of G inputs: a 32-input group's sum of q; for a 256-input group, its 16 sums of 16
  * (qs16) as 16-bit pairs (8 words, the Q6_K kernels' correction), then its 8 sums of 32 as 16-bit pairs (4 words,
- * the Q4_K / Q5_K mins), then 4 unused: 64 bytes, so that no load of them straddles two cache lines (at 48 the Q6_K
- * 1-row kernel lost 3%). Each |sum| <= 32 * 127 fits 16 bits. */
+ * the Q4_K / Q5_K mins), then 4 unused: 64 bytes a group from a 64-byte aligned base, so that no load of them
+ * straddles two cache lines. Each |sum| <= 32 * 127 fits 16 bits. */
 #define GQ_QSG_WORDS(G) ((G) == 256 ? 16 : 1)
 
 INLINE int32_t gq_pack16(int32_t lo, int32_t hi) { return (int32_t)((uint32_t)(uint16_t)lo | ((uint32_t)(uint16_t)hi << 16)); }
