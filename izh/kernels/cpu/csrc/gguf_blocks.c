@@ -990,7 +990,7 @@ INLINE void gq_rows8_q4k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int
         }
         for (int h = 0; h < 4; h++) {
             int32_t m2[8];
-            for (int i = 0; i < 8; i++) m2[i] = mn[2 * h][i] | (mn[2 * h + 1][i] << 16);
+            for (int i = 0; i < 8; i++) m2[i] = gq_pack16(mn[2 * h][i], mn[2 * h + 1][i]);
             MN[h] = _mm256_loadu_si256((const __m256i *)m2);
         }
         const __m256 dwv = _mm256_loadu_ps(dw), mwv = _mm256_loadu_ps(mw);
@@ -1073,7 +1073,7 @@ INLINE void gq_rows8_q6k_il(const uint8_t *w, int64_t row_bytes, int64_t n0, int
         }
         for (int h = 0; h < 8; h++) {
             int32_t p2[8];
-            for (int i = 0; i < 8; i++) p2[i] = (int32_t)((uint32_t)(uint16_t)sc[2 * h][i] | ((uint32_t)(uint16_t)sc[2 * h + 1][i] << 16));
+            for (int i = 0; i < 8; i++) p2[i] = gq_pack16(sc[2 * h][i], sc[2 * h + 1][i]);
             SP[h] = _mm256_loadu_si256((const __m256i *)p2);
         }
         const __m256 dwv = _mm256_loadu_ps(dw);
