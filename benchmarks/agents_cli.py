@@ -131,10 +131,12 @@ def codex_env(home: Path, base_url: str, model: str, *, short: bool) -> dict[str
     return {"HOME": str(home), "CODEX_HOME": str(codex_home), "IZH_AGENT_KEY": "unused", "NO_COLOR": "1"}
 
 
-def claude_env(home: Path, base_url: str, model: str) -> dict[str, str]:
-    """Claude Code pointed at izh's Messages API, with its telemetry and other traffic off."""
+def claude_env(home: Path, base_url: str, model: str, max_output_tokens: int | None = None) -> dict[str, str]:
+    """Claude Code pointed at izh's Messages API, with its telemetry and other traffic off;
+    `max_output_tokens` lowers the max_tokens it sends (32,000 by default)."""
     home.mkdir(parents=True, exist_ok=True)
-    return {
+    bound = {} if max_output_tokens is None else {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_output_tokens)}
+    return bound | {
         "HOME": str(home),
         "ANTHROPIC_BASE_URL": base_url,
         "ANTHROPIC_AUTH_TOKEN": "unused",
