@@ -354,7 +354,8 @@ def test_image_attaches_to_the_next_message(tmp_path: Path) -> None:
         "bye\n"
     )
     with fake_server() as (url, fake):
-        result = invoke(["--url", f"{url}/v1"], lines)
+        # wide enough that no path is broken mid-name (a long tmp_path was, at the default 80 columns)
+        result = invoke(["--url", f"{url}/v1"], lines, env={"COLUMNS": "1000"})
         bodies = fake.state.bodies
     assert result.exit_code == 1, result.output  # the chat goes on, but the failed commands count
     notes = " ".join(result.stderr.split())  # the console wraps long lines
